@@ -1,0 +1,1 @@
+"""A small character-level transformer language model trained under jaxmp precision policies."""

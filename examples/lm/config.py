@@ -1,0 +1,225 @@
+"""Training configuration: a small YAML file validated into a frozen dataclass.
+
+Every field has a default, so a config file only lists what it changes. Unknown keys and bad
+values raise `ValueError` naming the key and the valid choices; a bad ``precision`` string
+surfaces `jaxmp.get_policy`'s own message, prefixed with the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+import jaxmp
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+LOSS_SCALE_KINDS = ("auto", "dynamic", "static", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One training run: precision, loss scaling, model, data and schedule.
+
+    `loss_scale` ``"auto"`` lets `jaxmp.mixed_precision` choose (dynamic scaling starting at
+    ``2**15`` for float16 compute, none otherwise); the other kinds build the loss scale from
+    the ``loss_scale_*`` fields. ``mesh`` is reserved for sharded runs; ``""`` means one device.
+    """
+
+    name: str = "run"
+    precision: str = "mixed_float16"
+    loss_scale: str = "auto"
+    loss_scale_init: float = 2.0**15
+    loss_scale_period: int = 2000
+    loss_scale_factor: int = 2
+    loss_scale_min: float = 1.0
+    loss_scale_max: float = 2.0**32
+    # Model.
+    num_layers: int = 2
+    num_heads: int = 4
+    d_model: int = 128
+    mlp_ratio: int = 4
+    # Data and schedule.
+    seq_len: int = 64
+    batch_size: int = 32
+    steps: int = 1500
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_batches: int = 8
+    checkpoint_interval: int = 500
+    val_fraction: float = 0.1
+    seed: int = 0
+    mesh: str = ""
+
+    @property
+    def policy(self) -> jaxmp.Policy:
+        """The precision policy parsed from `precision`."""
+        return jaxmp.get_policy(self.precision)
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            expected = _FIELD_TYPES[field.name]
+            if expected is float and isinstance(value, str):
+                # PyYAML reads `3e-3` (no dot) as a string: accept it when it parses.
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if expected is float and isinstance(value, float):
+                object.__setattr__(self, field.name, value)
+            elif not isinstance(value, expected) or isinstance(value, bool):
+                raise ValueError(
+                    f"config key `{field.name}` must be {expected.__name__}, got {value!r}."
+                )
+        try:
+            jaxmp.get_policy(self.precision)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"config key `precision`: {e}") from None
+        if self.loss_scale not in LOSS_SCALE_KINDS:
+            raise ValueError(
+                f"config key `loss_scale` must be one of {', '.join(LOSS_SCALE_KINDS)}, "
+                f"got {self.loss_scale!r}."
+            )
+        positive = (
+            "loss_scale_init",
+            "loss_scale_period",
+            "loss_scale_min",
+            "loss_scale_max",
+            "num_layers",
+            "num_heads",
+            "d_model",
+            "mlp_ratio",
+            "seq_len",
+            "batch_size",
+            "steps",
+            "learning_rate",
+            "eval_interval",
+            "eval_batches",
+            "checkpoint_interval",
+        )
+        for key in positive:
+            if getattr(self, key) <= 0:
+                raise ValueError(f"config key `{key}` must be > 0, got {getattr(self, key)!r}.")
+        for key in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"config key `{key}` must be >= 0, got {getattr(self, key)!r}.")
+        if self.loss_scale_factor < 2:
+            raise ValueError(
+                f"config key `loss_scale_factor` must be an integer >= 2, "
+                f"got {self.loss_scale_factor!r}."
+            )
+        if self.loss_scale_min > self.loss_scale_max:
+            raise ValueError(
+                f"config keys `loss_scale_min` ({self.loss_scale_min}) and `loss_scale_max` "
+                f"({self.loss_scale_max}) must satisfy min <= max."
+            )
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"config key `d_model` ({self.d_model}) must be divisible by `num_heads` "
+                f"({self.num_heads})."
+            )
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(
+                f"config key `val_fraction` must be in (0, 1), got {self.val_fraction!r}."
+            )
+        if self.mesh:
+            raise ValueError(
+                f"config key `mesh` must be '' (single device) for now, got {self.mesh!r}."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _resolve(tp: Any) -> type:
+    if isinstance(tp, str):  # `from __future__ import annotations` leaves names as strings.
+        tp = {"str": str, "int": int, "float": float, "bool": bool}[tp]
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        raise TypeError("config fields must have a single type")
+    return tp
+
+
+_FIELD_TYPES = {f.name: _resolve(f.type) for f in dataclasses.fields(Config)}
+
+
+def valid_keys() -> str:
+    return ", ".join(_FIELD_TYPES)
+
+
+def from_dict(values: Mapping[str, Any]) -> Config:
+    """Validates a mapping into a `Config`; unknown keys are errors listing the valid ones."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"a config must be a mapping of keys to values, got {values!r}.")
+    for key in values:
+        if key not in _FIELD_TYPES:
+            raise ValueError(f"unknown config key `{key}`; valid keys are: {valid_keys()}.")
+    return Config(**values)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parses ``key=value`` into the key and a value typed by the dataclass field's type."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep:
+        raise ValueError(f"--set expects key=value, got {text!r}.")
+    if key not in _FIELD_TYPES:
+        raise ValueError(f"unknown config key `{key}`; valid keys are: {valid_keys()}.")
+    tp = _FIELD_TYPES[key]
+    raw = raw.strip()
+    if tp is str:
+        return key, raw
+    try:
+        if tp is int:
+            return key, int(raw)
+        return key, float(raw)
+    except ValueError:
+        raise ValueError(f"config key `{key}` must be {tp.__name__}, got {raw!r}.") from None
+
+
+def config_path(name_or_path: str) -> pathlib.Path:
+    """Resolves a config name (``mixed_float16``) or a path to a YAML file."""
+    path = pathlib.Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not candidate.exists():
+        raise ValueError(
+            f"unknown config {name_or_path!r}; valid names are: {', '.join(available())}."
+        )
+    return candidate
+
+
+def available() -> list[str]:
+    """Names of the configs shipped in ``configs/``."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def load(name_or_path: str, overrides: Iterable[str] = ()) -> Config:
+    """Loads a YAML config by name or path and applies ``key=value`` overrides."""
+    path = config_path(name_or_path)
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping, got {values!r}.")
+    values.setdefault("name", path.stem)
+    for text in overrides:
+        key, value = parse_override(text)
+        values[key] = value
+    return from_dict(values)
+
+
+def dump(config: Config) -> str:
+    """The config as YAML, loadable again with `load`."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

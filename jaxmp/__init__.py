@@ -1,0 +1,47 @@
+"""jaxmp: functional mixed precision for JAX.
+
+Precision policies, loss scales, and loss scaling and FP32 master weights as
+optax transformations.
+"""
+
+from jaxmp._src.casting import cast_to_full, cast_to_half, cast_tree
+from jaxmp._src.dtypes import half_dtype
+from jaxmp._src.grad import value_and_grad
+from jaxmp._src.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+from jaxmp._src.loss_scaling import LossScalingState, loss_scaling
+from jaxmp._src.master_weights import MasterWeightsState, master_weights
+from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
+from jaxmp._src.policy import Policy, get_policy
+from jaxmp._src.state import get_loss_scale, loss_scale_metrics
+from jaxmp._src.tree import all_finite, select_tree
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DynamicLossScale",
+    "LossScale",
+    "LossScalingState",
+    "MasterWeightsState",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "all_finite",
+    "cast_to_full",
+    "cast_to_half",
+    "cast_tree",
+    "default_loss_scale",
+    "get_loss_scale",
+    "get_policy",
+    "half_dtype",
+    "loss_scale_metrics",
+    "loss_scaling",
+    "master_weights",
+    "mixed_precision",
+    "select_tree",
+    "value_and_grad",
+)

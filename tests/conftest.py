@@ -1,0 +1,30 @@
+"""Shared test configuration: dtype lists and the one tolerance table."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+HALF_DTYPES = (F16, BF16)
+FLOAT_DTYPES = (F16, BF16, F32)
+
+# The one tolerance table for value comparisons (relative and absolute), by dtype.
+TOLERANCE = {F32: 1e-6, BF16: 1e-2, F16: 1e-3}
+
+
+def assert_close(actual, expected, dtype):
+  """Compares values with the tolerance of `dtype` from the central table."""
+  tol = TOLERANCE[jnp.dtype(dtype)]
+  np.testing.assert_allclose(
+      np.asarray(actual, np.float64), np.asarray(expected, np.float64), rtol=tol, atol=tol
+  )
+
+
+@pytest.fixture(params=FLOAT_DTYPES, ids=lambda d: d.name)
+def float_dtype(request):
+  return request.param
+
+
+@pytest.fixture(params=HALF_DTYPES, ids=lambda d: d.name)
+def half_dtype(request):
+  return request.param
