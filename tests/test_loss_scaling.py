@@ -228,7 +228,7 @@ def test_grads_params_structure_mismatch_error():
   tx = jaxmp.loss_scaling(optax.adam(0.1))
   params = _params()
   state = tx.init(params)
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match=r"`grads` and `params` .* leaves only in `params`: \['b'\]"):
     tx.update({"w": params["w"]}, state, params)
 
 

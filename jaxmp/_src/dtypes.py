@@ -78,7 +78,7 @@ def as_float_dtype(value: object, *, arg: str) -> np.dtype:
   if isinstance(value, str):
     return parse_dtype(value, arg=arg)
   try:
-    dtype = jnp.dtype(value)
+    dtype = jnp.dtype(value)  # type: ignore[call-overload]
   except TypeError:
     raise TypeError(
         f"`{arg}` must be a floating-point dtype, got {value!r}; valid choices are "

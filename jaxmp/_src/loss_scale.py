@@ -115,7 +115,7 @@ class LossScale(abc.ABC):
   """
 
   #: The current scale, a scalar float array.
-  loss_scale: jax.Array
+  loss_scale: ArrayLike
 
   def scale(self, tree: T) -> T:
     """Multiplies floating-point leaves of `tree` by the loss scale, in float32."""
@@ -144,7 +144,7 @@ class NoOpLossScale(LossScale):
   """
 
   @property
-  def loss_scale(self) -> jax.Array:
+  def loss_scale(self) -> jax.Array:  # type: ignore[override]
     return jnp.ones((), _F32)
 
   def scale(self, tree: T) -> T:
@@ -175,7 +175,7 @@ class StaticLossScale(LossScale):
     Array(64., dtype=float32)
   """
 
-  loss_scale: jax.Array  # shape=(), dtype=float32
+  loss_scale: ArrayLike  # shape=(), dtype=float32
 
   def __post_init__(self):
     value = _as_array(self.loss_scale, _F32, arg="loss_scale", kind="floating-point")
@@ -244,8 +244,8 @@ class DynamicLossScale(LossScale):
     Array(32768., dtype=float32)
   """
 
-  loss_scale: jax.Array  # shape=(), dtype=float32 (or the given float dtype)
-  counter: jax.Array = dataclasses.field(  # shape=(), dtype=int32
+  loss_scale: ArrayLike  # shape=(), dtype=float32 (or the given float dtype)
+  counter: ArrayLike = dataclasses.field(  # shape=(), dtype=int32
       default_factory=lambda: np.zeros((), np.int32)
   )
   period: int = dataclasses.field(default=2000, metadata=dict(static=True))
@@ -255,7 +255,7 @@ class DynamicLossScale(LossScale):
   max_loss_scale: float = dataclasses.field(default=2.0**32, metadata=dict(static=True))
   backoff: float | None = dataclasses.field(default=None, metadata=dict(static=True))
   hysteresis: int = dataclasses.field(default=1, metadata=dict(static=True))
-  nonfinite_count: jax.Array = dataclasses.field(  # shape=(), dtype=int32
+  nonfinite_count: ArrayLike = dataclasses.field(  # shape=(), dtype=int32
       default_factory=lambda: np.zeros((), np.int32)
   )
 

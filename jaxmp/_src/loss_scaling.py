@@ -120,6 +120,8 @@ def loss_scaling(
           f"`state` must be the LossScalingState made by this transformation's init, "
           f"got {type(state).__name__}."
       )
+    if params is not None:
+      tree_lib.check_same_structure(updates, params, names=("grads", "params"))
     scale = state.loss_scale
     grads = scale.unscale(casting.cast_tree(updates, dtypes.FLOAT32))
     finite = _finite_across(tree_lib.all_finite(grads), axis_name)

@@ -52,6 +52,8 @@ class Policy:
     True
   """
 
+  # The constructor also accepts names and scalar types; `__post_init__`
+  # normalises each to a `numpy.dtype` once.
   param_dtype: np.dtype
   compute_dtype: np.dtype = None  # type: ignore[assignment]
   output_dtype: np.dtype = None  # type: ignore[assignment]
@@ -80,15 +82,18 @@ class Policy:
 
   def with_param_dtype(self, param_dtype: DTypeLike) -> Policy:
     """Returns a copy with `param_dtype` replaced."""
-    return dataclasses.replace(self, param_dtype=param_dtype)
+    return dataclasses.replace(
+        self, param_dtype=dtypes.as_float_dtype(param_dtype, arg="param_dtype"))
 
   def with_compute_dtype(self, compute_dtype: DTypeLike) -> Policy:
     """Returns a copy with `compute_dtype` replaced."""
-    return dataclasses.replace(self, compute_dtype=compute_dtype)
+    return dataclasses.replace(
+        self, compute_dtype=dtypes.as_float_dtype(compute_dtype, arg="compute_dtype"))
 
   def with_output_dtype(self, output_dtype: DTypeLike) -> Policy:
     """Returns a copy with `output_dtype` replaced."""
-    return dataclasses.replace(self, output_dtype=output_dtype)
+    return dataclasses.replace(
+        self, output_dtype=dtypes.as_float_dtype(output_dtype, arg="output_dtype"))
 
   @property
   def is_half(self) -> bool:

@@ -45,7 +45,7 @@ def check_same_structure(a: Any, b: Any, *, names: tuple[str, str], check_dtypes
   """Raises a ValueError naming the first leaf path where `a` and `b` differ."""
   a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
   b_leaves, b_def = jax.tree_util.tree_flatten_with_path(b)
-  if a_def != b_def:
+  if a_def != b_def:  # type: ignore[operator]
     a_paths = {keystr(p) for p, _ in a_leaves}
     b_paths = {keystr(p) for p, _ in b_leaves}
     only_a = sorted(a_paths - b_paths)[:3]
