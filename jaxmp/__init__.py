@@ -4,6 +4,14 @@ Precision policies, loss scales, and loss scaling and FP32 master weights as
 optax transformations.
 """
 
+from jaxmp._src.autocast import (
+    FLOAT32_OPS,
+    LOW_PRECISION_OPS,
+    Autocast,
+    autocast,
+    autocast_jaxpr,
+    float32_region,
+)
 from jaxmp._src.casting import cast_to_full, cast_to_half, cast_tree
 from jaxmp._src.dtypes import half_dtype
 from jaxmp._src.grad import value_and_grad
@@ -23,6 +31,12 @@ from jaxmp._src.tree import all_finite, select_tree
 __version__ = "0.1.0"
 
 __all__ = (
+    "FLOAT32_OPS",
+    "LOW_PRECISION_OPS",
+    "Autocast",
+    "autocast",
+    "autocast_jaxpr",
+    "float32_region",
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",

@@ -1,0 +1,844 @@
+"""Op-level autocast: run an unmodified float32 function with per-primitive precision rules.
+
+`autocast` traces a function to a jaxpr and evaluates it again, equation by equation,
+casting each primitive's operands by one of three rules (the op lists live in
+`jaxmp._src.autocast_rules`):
+
+* **low precision** (`LOW_PRECISION_OPS`: ``dot_general``, ``conv_general_dilated``,
+  ``ragged_dot_general``): floating operands are cast to the policy's compute dtype and the
+  result stays in it (``preferred_element_type`` is set to the compute dtype), so the
+  activations between two matmuls stay in the compute dtype.
+* **float32** (`FLOAT32_OPS`: exp/log family, sums and other reductions, pow, rsqrt, special
+  functions, linear algebra): floating operands narrower than float32 are cast to float32
+  and the result is float32. A float32 result feeding a matmul is cast down at that matmul.
+* **follow** (everything else): the op runs in the widest floating dtype among its
+  *driving* operands, and the other floating operands are cast to it.
+
+Which operands drive the promotion (the rule that keeps typical models free of
+float32/float16 "bounce-back"):
+
+* Values that are inputs of the function (parameters, the batch, closed-over constants),
+  jaxpr literals, and values computed from those alone by follow ops (``bias.reshape``,
+  ``scale * 2``) are *weak*, like a Python scalar in JAX's type promotion: they take the
+  dtype of the computed activation they meet. A float32 Dense bias added to a float16
+  matmul output gives float16, as in a model written with ``dtype=jnp.float16``, instead
+  of bouncing the activation back to float32 after every matmul (what torch's
+  "widest input wins" rule would do here, where the bias add is a separate op).
+* Computed values promote to the widest: a float16 activation minus a float32 maximum
+  (softmax) or mean (LayerNorm) runs in float32, so softmax, log-softmax and the
+  normalisation all run in float32 up to the next matmul.
+* 0-d operands do not drive the promotion when a higher-rank floating operand is present
+  (torch's rule for 0-d tensors), so ``x * scale`` keeps the dtype of ``x``.
+
+In a pre-LayerNorm transformer block this gives: the LayerNorm in float32, the q/k/v
+projections, attention scores, MLP hidden activations and residual branches in the compute
+dtype, softmax in float32 (its probabilities are cast down at the ``probs @ v`` matmul). A
+float32 residual stream that enters as a function input is weak, so the first residual add
+makes the stream the compute dtype (as in an explicit ``dtype=jnp.float16`` model).
+
+Losses have no primitives of their own: cross-entropy and other log/exp based losses run in
+float32 through ``exp``, ``log`` and ``reduce_sum``; the mean of any loss is a float32 sum.
+The elementwise part of a squared-error loss follows the prediction's dtype (``square`` and
+``integer_pow`` follow, which keeps GELU's tanh approximation in the compute dtype): compute
+such a loss in a `float32_region`, or outside the autocast function, when float16
+predictions can differ from their targets by more than about 256.
+
+Other rules: ``convert_element_type`` between two float dtypes that the program wrote
+(``x.astype(jnp.float32)`` on a float16 value) is kept; one that only changes weak typing
+is dropped. Integer, boolean and PRNG-key values are never touched. Scatters, bit casts
+and ``custom_vjp`` functions are re-bound exactly as traced, their floating operands cast
+back to the dtypes they were traced with. ``custom_jvp`` functions keep their custom rule:
+both the function and its JVP rule are evaluated under autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from jaxmp._src import autocast_rules, dtypes
+from jaxmp._src import policy as policy_lib
+
+FLOAT32_OPS = autocast_rules.FLOAT32_OPS
+LOW_PRECISION_OPS = autocast_rules.LOW_PRECISION_OPS
+
+# The name-stack scope `float32_region` opens; equations under it are evaluated as traced.
+REGION_SCOPE = "jaxmp_float32_region"
+
+_HIGHER_ORDER_RULES: dict[str, Callable[..., Any]] = {}
+
+
+def _known_primitive_names() -> frozenset[str]:
+    """Names of the primitives JAX knows now (computed on use: later imports register more)."""
+    names = {
+        value.name
+        for value in vars(jcore.primitives).values()
+        if isinstance(value, jcore.Primitive)
+    }
+    for module in (lax, jax.lax.linalg):
+        for value in vars(module).values():
+            if isinstance(value, jcore.Primitive):
+                names.add(value.name)
+    try:  # every primitive with a lowering rule, including shard_map and Pallas once imported
+        from jax._src.interpreters import mlir
+
+        names.update(p.name for p in mlir._lowerings)
+        for rules in mlir._platform_specific_lowerings.values():
+            names.update(p.name for p in rules)
+    except (ImportError, AttributeError):  # pragma: no cover - internal layout changed
+        pass
+    return frozenset(
+        names
+        | LOW_PRECISION_OPS
+        | FLOAT32_OPS
+        | autocast_rules.AS_TRACED_OPS
+        | autocast_rules.INDEPENDENT_OPERAND_OPS
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers.
+
+
+def _is_float_dtype(dtype: Any) -> bool:
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:  # extended dtypes such as PRNG keys
+        return False
+
+
+def _is_float(x: Any) -> bool:
+    return dtypes.is_floating(x)
+
+
+def _cast(x: Any, dtype: Any, cache: dict[Any, Any] | None = None) -> Any:
+    dtype = jnp.dtype(dtype)
+    if jnp.dtype(x.dtype) == dtype:
+        return x
+    if cache is None:
+        return lax.convert_element_type(x, dtype)
+    # One convert per value and dtype within one jaxpr (the cache lives in one trace).
+    key = (id(x), dtype)
+    if key not in cache:
+        cache[key] = (x, lax.convert_element_type(x, dtype))
+    return cache[key][1]
+
+
+def _literal_value(var: Any) -> Any:
+    try:
+        return np.asarray(var.val, dtype=var.aval.dtype)
+    except TypeError:
+        return var.val
+
+
+def _promote(dtype_list: Iterable[Any]) -> np.dtype:
+    return functools.reduce(jnp.promote_types, dtype_list)
+
+
+def _bind(eqn: Any, vals: list[Any], params: dict[str, Any] | None = None) -> list[Any]:
+    params = eqn.params if params is None else params
+    out = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _with_preferred_type(params: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
+    preferred = params.get("preferred_element_type")
+    if preferred is None or not _is_float_dtype(preferred) or preferred == dtype:
+        return params
+    return {**params, "preferred_element_type": jnp.dtype(dtype)}
+
+
+def _shape_struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+@dataclasses.dataclass
+class _Context:
+    """The rules of one autocast call, and a cache of re-bound nested jits."""
+
+    compute_dtype: np.dtype
+    low_ops: frozenset[str]
+    float32_ops: frozenset[str]
+    jit_cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# The interpreter.
+
+
+def _eval_jaxpr(
+    jaxpr: Any,
+    consts: Iterable[Any],
+    args: Iterable[Any],
+    weak: Iterable[bool],
+    ctx: _Context,
+    in_region: bool = False,
+) -> tuple[list[Any], list[bool]]:
+    """Evaluates `jaxpr` under autocast; returns the outputs and whether each is weak."""
+    env: dict[Any, tuple[Any, bool]] = {}
+    cache: dict[Any, Any] = {}
+
+    def read(var: Any) -> tuple[Any, bool]:
+        if isinstance(var, jcore.Literal):
+            return _literal_value(var), True
+        return env[var]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = (value, True)
+    for var, value, is_weak in zip(jaxpr.invars, args, weak, strict=True):
+        env[var] = (value, is_weak)
+
+    for eqn in jaxpr.eqns:
+        read_in = [read(v) for v in eqn.invars]
+        vals = [v for v, _ in read_in]
+        flags = [f for _, f in read_in]
+        region = in_region or REGION_SCOPE in str(eqn.source_info.name_stack)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        manager = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+            with manager:
+                outs, out_flags = _apply(eqn, vals, flags, ctx, region, cache)
+        for var, value, is_weak in zip(eqn.outvars, outs, out_flags, strict=True):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = (value, is_weak)
+
+    results = [read(v) for v in jaxpr.outvars]
+    return [v for v, _ in results], [f for _, f in results]
+
+
+def _apply(
+    eqn: Any,
+    vals: list[Any],
+    flags: list[bool],
+    ctx: _Context,
+    region: bool,
+    cache: dict[Any, Any],
+) -> tuple[list[Any], list[bool]]:
+    name = eqn.primitive.name
+    n_out = len(eqn.outvars)
+    if region:
+        return _as_traced(eqn, vals, cache), [False] * n_out
+    if name in ctx.low_ops:
+        return _run_in(eqn, vals, ctx.compute_dtype, cache, higher_ok=False), [False] * n_out
+    if name in ctx.float32_ops:
+        return _run_in_float32(eqn, vals, cache), [False] * n_out
+    rule = _HIGHER_ORDER_RULES.get(name)
+    if rule is not None:
+        return rule(eqn, vals, flags, ctx)
+    if name == "convert_element_type":
+        return _convert_rule(eqn, vals, flags)
+    if name in autocast_rules.AS_TRACED_OPS:
+        return _as_traced(eqn, vals, cache), [False] * n_out
+    if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+        raise NotImplementedError(
+            f"jaxmp.autocast cannot re-interpret the primitive `{name}`: it is a "
+            "higher-order primitive (its parameters hold sub-jaxprs) with no autocast rule. "
+            "Wrap the code that produces it in `jaxmp.float32_region` to run it as written, "
+            f"or pass `float32_ops=jaxmp.FLOAT32_OPS | {{{name!r}}}` to re-bind it unchanged "
+            "with its operands cast to the dtypes they were traced with."
+        )
+    if name in autocast_rules.INDEPENDENT_OPERAND_OPS:
+        outs = _bind(eqn, vals)
+        out_flags = list(flags) if len(flags) == len(outs) else [all(flags)] * len(outs)
+        return outs, out_flags
+    return _follow(eqn, vals, flags, cache)
+
+
+def _as_traced(eqn: Any, vals: list[Any], cache: dict[Any, Any]) -> list[Any]:
+    """Re-binds `eqn` unchanged, floating operands cast to the dtypes they were traced with."""
+    cast = [
+        _cast(x, v.aval.dtype, cache) if _is_float(x) and _is_float_dtype(v.aval.dtype) else x
+        for x, v in zip(vals, eqn.invars, strict=True)
+    ]
+    return _bind(eqn, cast)
+
+
+def _run_in(
+    eqn: Any, vals: list[Any], dtype: np.dtype, cache: dict[Any, Any], *, higher_ok: bool
+) -> list[Any]:
+    """Casts the floating operands of `eqn` to `dtype` and binds it there."""
+    if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+        if higher_ok:
+            return _as_traced(eqn, vals, cache)
+        raise NotImplementedError(
+            f"jaxmp.autocast cannot run the higher-order primitive `{eqn.primitive.name}` in "
+            f"{dtype}: its sub-jaxprs are typed for the dtypes it was traced with. Remove it "
+            "from `low_precision_ops=` or add it to `float32_ops=`."
+        )
+    cast = [_cast(x, dtype, cache) if _is_float(x) else x for x in vals]
+    if not any(_is_float(x) for x in vals):
+        return _bind(eqn, cast)
+    return _bind(eqn, cast, _with_preferred_type(eqn.params, dtype))
+
+
+def _run_in_float32(eqn: Any, vals: list[Any], cache: dict[Any, Any]) -> list[Any]:
+    float_dtypes = [jnp.dtype(x.dtype) for x in vals if _is_float(x)]
+    dtype = _promote([dtypes.FLOAT32, *float_dtypes])
+    return _run_in(eqn, vals, dtype, cache, higher_ok=True)
+
+
+def _follow(
+    eqn: Any, vals: list[Any], flags: list[bool], cache: dict[Any, Any]
+) -> tuple[list[Any], list[bool]]:
+    """Runs `eqn` in the widest dtype of its driving floating operands (see module docs)."""
+    floats = [i for i, x in enumerate(vals) if _is_float(x)]
+    n_out = len(eqn.outvars)
+    if not floats:
+        return _bind(eqn, vals), [False] * n_out
+    strong = [i for i in floats if not flags[i]]
+    drivers = [i for i in strong if len(vals[i].shape) > 0] or strong or floats
+    dtype = _promote(jnp.dtype(vals[i].dtype) for i in drivers)
+    cast = [_cast(x, dtype, cache) if i in floats else x for i, x in enumerate(vals)]
+    out_weak = all(flags[i] for i in floats)
+    return _bind(eqn, cast, _with_preferred_type(eqn.params, dtype)), [out_weak] * n_out
+
+
+def _convert_rule(eqn: Any, vals: list[Any], flags: list[bool]) -> tuple[list[Any], list[bool]]:
+    (x,) = vals
+    new_dtype = eqn.params["new_dtype"]
+    if _is_float(x) and _is_float_dtype(new_dtype):
+        if jnp.dtype(eqn.invars[0].aval.dtype) == jnp.dtype(new_dtype):
+            # Only the weak type changed in the traced program: keep the autocast dtype.
+            return [x], [flags[0]]
+        return _bind(eqn, [x]), [False]
+    return _bind(eqn, [x]), [False]
+
+
+# --------------------------------------------------------------------------------------------
+# Higher-order primitives.
+
+
+def _rule(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for name in names:
+            _HIGHER_ORDER_RULES[name] = fn
+        return fn
+
+    return register
+
+
+@_rule("jit", "pjit")
+def _jit_rule(eqn, vals, flags, ctx):
+    closed = eqn.params["jaxpr"]
+    key = (id(closed), tuple((x.shape, str(x.dtype)) for x in vals), tuple(flags))
+    entry = ctx.jit_cache.get(key)
+    if entry is None:
+        holder: list[list[bool]] = []
+
+        def inner(*args):
+            outs, out_flags = _eval_jaxpr(closed.jaxpr, closed.consts, args, flags, ctx)
+            holder[:] = [out_flags]
+            return outs
+
+        inner.__name__ = inner.__qualname__ = str(eqn.params.get("name", "jit"))
+        jitted = jax.jit(
+            inner,
+            inline=bool(eqn.params.get("inline", False)),
+            keep_unused=bool(eqn.params.get("keep_unused", False)),
+        )
+        # `closed` is kept alive so that its id is not reused while the entry exists.
+        entry = ctx.jit_cache[key] = (jitted, holder, closed)
+    jitted, holder, _ = entry
+    outs = jitted(*vals)
+    return list(outs), list(holder[0])
+
+
+@_rule("closed_call", "core_call", "call")
+def _call_rule(eqn, vals, flags, ctx):
+    call = eqn.params["call_jaxpr"]
+    if isinstance(call, jcore.ClosedJaxpr):
+        return _eval_jaxpr(call.jaxpr, call.consts, vals, flags, ctx)
+    return _eval_jaxpr(call, (), vals, flags, ctx)
+
+
+@_rule("remat2", "checkpoint", "remat")
+def _remat_rule(eqn, vals, flags, ctx):
+    jaxpr = eqn.params["jaxpr"]
+    holder: list[list[bool]] = []
+
+    def inner(*args):
+        if isinstance(jaxpr, jcore.ClosedJaxpr):
+            outs, out_flags = _eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, args, flags, ctx)
+        else:
+            outs, out_flags = _eval_jaxpr(jaxpr, (), args, flags, ctx)
+        holder[:] = [out_flags]
+        return outs
+
+    outs = jax.checkpoint(
+        inner, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+    )(*vals)
+    return list(outs), list(holder[0])
+
+
+def _cast_carry(values: list[Any], carry_dtypes: list[Any]) -> list[Any]:
+    return [
+        _cast(x, d) if _is_float(x) and _is_float_dtype(d) else x
+        for x, d in zip(values, carry_dtypes, strict=True)
+    ]
+
+
+@_rule("scan")
+def _scan_rule(eqn, vals, flags, ctx):
+    params = eqn.params
+    closed = params["jaxpr"]
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts, init, xs = (
+        vals[:n_consts],
+        vals[n_consts : n_consts + n_carry],
+        vals[n_consts + n_carry :],
+    )
+    in_flags = list(flags)
+    # Loop carries keep the dtype of their initial value; the body's result is cast to it.
+    carry_dtypes = [x.dtype for x in init]
+    holder: list[list[bool]] = []
+
+    def body(carry, x):
+        outs, out_flags = _eval_jaxpr(
+            closed.jaxpr, closed.consts, [*consts, *carry, *x], in_flags, ctx
+        )
+        holder[:] = [out_flags[n_carry:]]
+        return _cast_carry(outs[:n_carry], carry_dtypes), outs[n_carry:]
+
+    carry, ys = lax.scan(
+        body,
+        list(init),
+        list(xs),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys], [*flags[n_consts : n_consts + n_carry], *holder[0]]
+
+
+@_rule("while")
+def _while_rule(eqn, vals, flags, ctx):
+    params = eqn.params
+    cond_closed, body_closed = params["cond_jaxpr"], params["body_jaxpr"]
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts = vals[:n_cond], vals[n_cond : n_cond + n_body]
+    init = vals[n_cond + n_body :]
+    cond_flags, body_flags = flags[:n_cond], flags[n_cond : n_cond + n_body]
+    init_flags = flags[n_cond + n_body :]
+    carry_dtypes = [x.dtype for x in init]
+
+    def cond_fn(carry):
+        outs, _ = _eval_jaxpr(
+            cond_closed.jaxpr,
+            cond_closed.consts,
+            [*cond_consts, *carry],
+            [*cond_flags, *init_flags],
+            ctx,
+        )
+        return outs[0]
+
+    def body_fn(carry):
+        outs, _ = _eval_jaxpr(
+            body_closed.jaxpr,
+            body_closed.consts,
+            [*body_consts, *carry],
+            [*body_flags, *init_flags],
+            ctx,
+        )
+        return _cast_carry(outs, carry_dtypes)
+
+    out = lax.while_loop(cond_fn, body_fn, list(init))
+    return list(out), list(init_flags)
+
+
+@_rule("cond")
+def _cond_rule(eqn, vals, flags, ctx):
+    index, operands = vals[0], vals[1:]
+    op_flags = flags[1:]
+    branches = eqn.params["branches"]
+    out_flags: list[list[bool]] = []
+
+    def make_branch(closed):
+        def branch(*args):
+            outs, branch_flags = _eval_jaxpr(closed.jaxpr, closed.consts, args, op_flags, ctx)
+            out_flags.append(branch_flags)
+            return outs
+
+        return branch
+
+    fns = [make_branch(b) for b in branches]
+    structs = [_shape_struct(x) for x in operands]
+    shapes = [jax.eval_shape(fn, *structs) for fn in fns]
+    # Branches may produce different dtypes under autocast: all return the widest.
+    targets = []
+    for outs in zip(*shapes, strict=True):
+        if all(_is_float_dtype(o.dtype) for o in outs):
+            targets.append(_promote(o.dtype for o in outs))
+        else:
+            targets.append(outs[0].dtype)
+
+    def cast_outputs(fn):
+        return lambda *args: _cast_carry(fn(*args), targets)
+
+    outs = lax.switch(index, [cast_outputs(fn) for fn in fns], *operands)
+    weak = [all(f[i] for f in out_flags) for i in range(len(targets))]
+    return list(outs), weak
+
+
+@_rule("custom_jvp_call")
+def _custom_jvp_rule(eqn, vals, flags, ctx):
+    params = eqn.params
+    call = params["call_jaxpr"]
+    num_consts = params["num_consts"]
+    jvp_fun = params["jvp_jaxpr_fun"]
+    symbolic_zeros = params["symbolic_zeros"]
+    holder: list[list[bool]] = []
+
+    def primal(*args):
+        outs, out_flags = _eval_jaxpr(call.jaxpr, call.consts, args, flags, ctx)
+        holder[:] = [out_flags]
+        return outs
+
+    out_structs = jax.eval_shape(primal, *[_shape_struct(x) for x in vals])
+    out_dtypes = [s.dtype for s in out_structs]
+    fn = jax.custom_jvp(primal)
+
+    def jvp(primals, tangents):
+        args, tans = list(primals[num_consts:]), list(tangents[num_consts:])
+        zeros = [type(t) is SymbolicZero for t in tans] if symbolic_zeros else [False] * len(tans)
+        jvp_jaxpr, jvp_consts, out_zeros = jvp_fun.call_wrapped(*zeros)
+        nonzero = [t for t, z in zip(tans, zeros, strict=True) if not z]
+        arg_flags = list(flags[num_consts:]) + [False] * len(nonzero)
+        outs, _ = _eval_jaxpr(jvp_jaxpr, jvp_consts, [*args, *nonzero], arg_flags, ctx)
+        n = len(out_zeros)
+        out_primals = _cast_carry(outs[:n], out_dtypes)
+        nonzero_out = iter(outs[n:])
+        out_tangents = []
+        for struct, is_zero in zip(out_structs, out_zeros, strict=True):
+            if is_zero:
+                dtype = struct.dtype if _is_float_dtype(struct.dtype) else jax.dtypes.float0
+                out_tangents.append(
+                    np.zeros(struct.shape, dtype)
+                    if dtype == jax.dtypes.float0
+                    else jnp.zeros(struct.shape, dtype)
+                )
+            else:
+                tangent = next(nonzero_out)
+                out_tangents.append(
+                    _cast(tangent, struct.dtype) if _is_float_dtype(struct.dtype) else tangent
+                )
+        return out_primals, out_tangents
+
+    fn.defjvp(jvp, symbolic_zeros=symbolic_zeros)
+    outs = fn(*vals)
+    return list(outs), list(holder[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _op_names(ops: Any, *, arg: str) -> frozenset[str]:
+    if isinstance(ops, (str, jcore.Primitive)) or not isinstance(ops, Iterable):
+        raise TypeError(
+            f"`{arg}` must be a collection of primitive names or `jax.extend.core.Primitive` "
+            f"objects (for example `jaxmp.FLOAT32_OPS | {{'tanh'}}`), got {ops!r}."
+        )
+    names = set()
+    known = _known_primitive_names()
+    for op in ops:
+        if isinstance(op, jcore.Primitive):
+            names.add(op.name)
+        elif isinstance(op, str):
+            if op not in known:
+                close = difflib.get_close_matches(op, sorted(known), n=3)
+                hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                raise ValueError(
+                    f"`{arg}` must name JAX primitives, got unknown primitive {op!r}.{hint} "
+                    "Pass the `jax.extend.core.Primitive` object itself for a primitive "
+                    "defined outside JAX."
+                )
+            names.add(op)
+        else:
+            raise TypeError(
+                f"`{arg}` entries must be primitive names or `jax.extend.core.Primitive` "
+                f"objects, got {op!r}."
+            )
+    return frozenset(names)
+
+
+def _resolve_ops(low: Any, f32: Any) -> tuple[frozenset[str], frozenset[str]]:
+    low_names = None if low is None else _op_names(low, arg="low_precision_ops")
+    f32_names = None if f32 is None else _op_names(f32, arg="float32_ops")
+    if low_names is not None and f32_names is not None:
+        both = low_names & f32_names
+        if both:
+            raise ValueError(
+                "`low_precision_ops` and `float32_ops` must not overlap, got "
+                f"{sorted(both)} in both."
+            )
+    # A set given explicitly wins over the other list's default.
+    if low_names is None:
+        low_names = LOW_PRECISION_OPS - (f32_names or frozenset())
+    if f32_names is None:
+        f32_names = FLOAT32_OPS - low_names
+    return low_names, f32_names
+
+
+def _as_policy(policy: Any) -> policy_lib.Policy:
+    if isinstance(policy, policy_lib.Policy):
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(
+            "`policy` must be a jaxmp.Policy or a policy string such as 'mixed_float16' or "
+            f"'mixed_bfloat16', got {policy!r}."
+        )
+    try:
+        return policy_lib.get_policy(policy)
+    except ValueError as e:
+        raise ValueError(f"`policy` is not a valid policy string: {e}") from None
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArgSpec:
+    """The static part of a call: the argument tree and its non-array leaves."""
+
+    treedef: Any
+    static: tuple[tuple[int, Any], ...]
+    num_leaves: int
+
+    def merge(self, dynamic: Iterable[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        leaves: list[Any] = [None] * self.num_leaves
+        static = dict(self.static)
+        it = iter(dynamic)
+        for i in range(self.num_leaves):
+            leaves[i] = static[i] if i in static else next(it)
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _split_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_ArgSpec, list[Any]]:
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    static = tuple((i, x) for i, x in enumerate(leaves) if not _is_dynamic(x))
+    dynamic = [x for x in leaves if _is_dynamic(x)]
+    return _ArgSpec(treedef, static, len(leaves)), dynamic
+
+
+def _hashable(spec: _ArgSpec) -> bool:
+    try:
+        hash(spec)
+    except TypeError:
+        return False
+    return True
+
+
+class Autocast:
+    """The function `autocast` returns; call it like the wrapped function.
+
+    Attributes:
+      policy: the `jaxmp.Policy` in use.
+      low_precision_ops: names of the primitives run in the compute dtype.
+      float32_ops: names of the primitives run in float32.
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        policy: policy_lib.Policy,
+        low_precision_ops: frozenset[str],
+        float32_ops: frozenset[str],
+    ):
+        functools.update_wrapper(self, fun, updated=())
+        self._fun = fun
+        self.policy = policy
+        self.low_precision_ops = low_precision_ops
+        self.float32_ops = float32_ops
+        self._jitted = jax.jit(self._run, static_argnums=0)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec, dynamic = _split_args(args, kwargs)
+        if not any(isinstance(x, jax.core.Tracer) for x in dynamic) and _hashable(spec):
+            # Called outside any transformation: trace, re-interpret and compile once per
+            # argument signature.
+            return self._jitted(spec, *dynamic)
+        return self._run(spec, *dynamic)
+
+    def jaxpr(self, *args: Any, **kwargs: Any) -> jcore.ClosedJaxpr:
+        """Returns the jaxpr autocast produces for these arguments (see `autocast_jaxpr`)."""
+        spec, dynamic = _split_args(args, kwargs)
+        return jax.make_jaxpr(functools.partial(self._run, spec))(*dynamic)
+
+    def _run(self, spec: _ArgSpec, *dynamic: Any) -> Any:
+        out_tree: list[Any] = []
+
+        def flat_fun(*values):
+            call_args, call_kwargs = spec.merge(values)
+            out_leaves, tree = jax.tree.flatten(self._fun(*call_args, **call_kwargs))
+            out_tree.append(tree)
+            return out_leaves
+
+        closed = jax.make_jaxpr(flat_fun)(*dynamic)
+        ctx = _Context(
+            compute_dtype=self.policy.compute_dtype,
+            low_ops=self.low_precision_ops,
+            float32_ops=self.float32_ops,
+        )
+        outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, dynamic, [True] * len(dynamic), ctx)
+        outs = [_cast(x, self.policy.output_dtype) if _is_float(x) else x for x in outs]
+        return jax.tree.unflatten(out_tree[0], outs)
+
+    def __repr__(self) -> str:
+        name = getattr(self._fun, "__name__", repr(self._fun))
+        return f"jaxmp.autocast({name}, {self.policy!r})"
+
+
+def autocast(
+    fun: Callable[..., Any],
+    policy: policy_lib.Policy | str,
+    *,
+    low_precision_ops: Iterable[str | jcore.Primitive] | None = None,
+    float32_ops: Iterable[str | jcore.Primitive] | None = None,
+) -> Autocast:
+    """Runs an unmodified function with op-level mixed precision (like ``torch.autocast``).
+
+    The returned function traces `fun` to a jaxpr and evaluates it equation by equation:
+    primitives in `low_precision_ops` (matmuls and convolutions) run in
+    ``policy.compute_dtype``, primitives in `float32_ops` (exp/log family, reductions,
+    special functions, linear algebra) run in float32, and all others follow their inputs
+    (float32 parameters and inputs adapt to the activation dtype they meet; computed
+    activations promote to the widest). The module documentation of
+    ``jaxmp._src.autocast`` spells the rules out; `LOW_PRECISION_OPS` and `FLOAT32_OPS` hold
+    the default lists. Floating outputs are cast to ``policy.output_dtype``. Parameters are
+    used as given (``policy.param_dtype`` is not applied): float32 parameters are cast where
+    they are used.
+
+    Control flow (``jit``, ``scan``, ``while_loop``, ``cond``/``switch``, ``checkpoint``)
+    is re-interpreted too; loop carries keep the dtype of their initial value. ``custom_jvp``
+    functions keep their custom rule, ``custom_vjp`` functions run as traced. Wrap code that
+    must not be touched in `float32_region`. The result composes with ``jax.jit``,
+    ``jax.grad`` and ``jax.vmap`` in any order. Call it under ``jax.jit``: called eagerly it
+    compiles itself once per argument signature, but under an eager ``jax.grad`` or
+    ``jax.vmap`` it re-traces on every call. Non-array arguments (Python scalars, strings,
+    flags such as ``deterministic=True``) are static: they are baked into the trace.
+
+    Args:
+      fun: the function to run, written for float32 (or any dtype).
+      policy: a `jaxmp.Policy` or a policy string for `jaxmp.get_policy`, such as
+        ``"mixed_float16"`` or ``"mixed_bfloat16"``.
+      low_precision_ops: primitives (names or `jax.extend.core.Primitive` objects) to run
+        in the compute dtype, replacing `LOW_PRECISION_OPS`; extend the default with
+        ``jaxmp.LOW_PRECISION_OPS | {...}`` or shrink it with ``- {...}``.
+      float32_ops: primitives to run in float32, replacing `FLOAT32_OPS`. A primitive named
+        in one of the two sets is removed from the other's default.
+
+    Returns:
+      A function with the signature of `fun`.
+
+    Raises:
+      TypeError: if `fun` is not callable, `policy` is neither a policy nor a string, or an
+        op set is not a collection of names and primitives.
+      ValueError: for an invalid policy string, an unknown primitive name, or a primitive
+        in both op sets.
+      NotImplementedError: when called, for a higher-order primitive autocast has no rule
+        for (the message names it and the way out).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> def mlp(w, x):
+      ...   return jax.nn.softmax(jnp.tanh(x @ w) @ w)
+      >>> f = jax.jit(jaxmp.autocast(mlp, "mixed_float16"))
+      >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+      >>> f(w, x).dtype  # output_dtype of mixed_float16
+      dtype('float32')
+      >>> jaxpr = jaxmp.autocast_jaxpr(mlp, "mixed_float16")(w, x)
+      >>> [str(e.outvars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+      ['float16', 'float16']
+    """
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {fun!r}.")
+    policy = _as_policy(policy)
+    low, f32 = _resolve_ops(low_precision_ops, float32_ops)
+    return Autocast(fun, policy, low, f32)
+
+
+def autocast_jaxpr(
+    fun: Callable[..., Any],
+    policy: policy_lib.Policy | str,
+    **kwargs: Any,
+) -> Callable[..., jcore.ClosedJaxpr]:
+    """Returns a function that gives the jaxpr `autocast` produces, to inspect dtypes.
+
+    Args:
+      fun: the function, as for `autocast`.
+      policy: the policy, as for `autocast`.
+      **kwargs: `low_precision_ops` / `float32_ops`, as for `autocast`.
+
+    Returns:
+      A function taking `fun`'s arguments and returning a `jax.extend.core.ClosedJaxpr`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> jaxpr = jaxmp.autocast_jaxpr(jax.nn.logsumexp, "mixed_bfloat16")(jnp.ones(3))
+      >>> sorted({str(e.outvars[0].aval.dtype) for e in jaxpr.eqns
+      ...         if e.primitive.name in ("exp", "log", "reduce_sum")})
+      ['float32']
+    """
+    return autocast(fun, policy, **kwargs).jaxpr
+
+
+@contextlib.contextmanager
+def _region_scope() -> Iterator[None]:
+    with jax.named_scope(REGION_SCOPE):
+        yield
+
+
+def float32_region(fun: Callable[..., Any] | None = None) -> Any:
+    """Marks code that `autocast` must run as written (in float32 for a float32 model).
+
+    Use it as a decorator (``@jaxmp.float32_region``) or as a context manager inside the
+    traced function (``with jaxmp.float32_region(): ...``). Every primitive traced inside
+    is re-bound unchanged by `autocast`, with its floating inputs cast back to the dtypes
+    they were traced with (float32 for a float32 model), so results leave the region in
+    float32. It works by opening a ``jax.named_scope`` that autocast recognises; outside
+    autocast it changes nothing.
+
+    Args:
+      fun: the function to mark; omit it to get a context manager.
+
+    Returns:
+      The wrapped function, or a context manager when `fun` is omitted.
+
+    Raises:
+      TypeError: if `fun` is given and is not callable.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> @jaxmp.float32_region
+      ... def stable_head(h, w):
+      ...   return h @ w
+      >>> def model(w, x):
+      ...   return stable_head(x @ w, w)
+      >>> jaxpr = jaxmp.autocast_jaxpr(model, "mixed_float16")(jnp.ones((2, 2)), jnp.ones((1, 2)))
+      >>> [str(e.outvars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+      ['float16', 'float32']
+    """
+    if fun is None:
+        return _region_scope()
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable or omitted, got {fun!r}.")
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(REGION_SCOPE):
+            return fun(*args, **kwargs)
+
+    return wrapped
