@@ -30,6 +30,15 @@ from jaxmp._src.tree import all_finite, select_tree
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # `jaxmp.linen` and `jaxmp.nnx` import flax; load them only when asked for.
+    if name in ("linen", "nnx"):
+        import importlib
+
+        return importlib.import_module(f"jaxmp.{name}")
+    raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")
+
 __all__ = (
     "FLOAT32_OPS",
     "LOW_PRECISION_OPS",

@@ -1,0 +1,345 @@
+"""Mixed precision for Flax Linen: a policy-aware `TrainState` and `policy_scope`.
+
+This module imports Flax; ``import jaxmp`` does not. The pieces:
+
+* `policy_scope`: run a model written in float32 under a `jaxmp.Policy`, with
+  per-module-class (or module-path) overrides, Haiku-style.
+* `TrainState`: `flax.training.train_state.TrainState` that knows its policy,
+  keeps the params in the policy's param dtype, skips non-finite steps whole
+  (step counter included) and exposes the loss scale and its metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from flax import struct
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training import train_state
+
+from jaxmp._src import flax_common
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import policy as policy_lib
+from jaxmp._src import state as state_lib
+from jaxmp._src import tree as tree_lib
+from jaxmp._src.loss_scaling import loss_scaling
+from jaxmp._src.master_weights import MasterWeightsState
+from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
+
+__all__ = ("TrainState", "policy_scope")
+
+# Per thread: the active scopes' policies (innermost last) and the module-call depth.
+_local = threading.local()
+
+
+def _scopes() -> list[flax_common.ModulePolicies]:
+    if not hasattr(_local, "scopes"):
+        _local.scopes = []
+    return _local.scopes
+
+
+def _interceptor(policies: flax_common.ModulePolicies):
+    def interceptor(next_fun, args, kwargs, context):
+        if _scopes()[-1] is not policies:  # the innermost scope decides alone
+            return next_fun(*args, **kwargs)
+        module = context.module
+        path = module.scope.path if module.scope is not None else ()
+        policy = policies.policy_for(module, path)
+        # A bound Linen module is a frozen dataclass, private to this `apply`/`init`
+        # call. Setting its dtype attributes for the duration of the method (and
+        # restoring them after, so a module bound with `.bind` does not keep them)
+        # changes exactly this call: Flax modules read `self.dtype` when they cast
+        # their inputs and params (`promote_dtype`) and `self.param_dtype` when they
+        # create params. `nn.intercept_methods` alone could cast inputs only.
+        saved = {}
+        for attr, value in (
+            (flax_common.DTYPE_ATTR, policy.compute_dtype),
+            (flax_common.PARAM_DTYPE_ATTR, policy.param_dtype),
+        ):
+            if flax_common.has_field(module, attr):
+                saved[attr] = getattr(module, attr)
+                object.__setattr__(module, attr, value)
+        depth = getattr(_local, "depth", 0)
+        _local.depth = depth + 1
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            _local.depth = depth
+            for attr, value in saved.items():
+                object.__setattr__(module, attr, value)
+        if depth == 0 and context.method_name != "setup":
+            # The outermost call returns the policy's output dtype (float32 logits
+            # under "mixed_float16"), whatever its last layer computed in.
+            out = policies.default.cast_to_output(out)
+        return out
+
+    return interceptor
+
+
+@contextlib.contextmanager
+def policy_scope(
+    policy: policy_lib.Policy | str,
+    overrides: Mapping[type | str, policy_lib.Policy | str] | None = None,
+) -> Iterator[policy_lib.Policy]:
+    """Runs every Linen module called inside under `policy` (or its override).
+
+    Inside the scope, each Flax module that has a ``dtype`` attribute computes in
+    its policy's compute dtype and each one with a ``param_dtype`` attribute
+    creates its params (at ``init``) in its policy's param dtype, whatever its
+    code says; the outermost module call returns ``policy.output_dtype``. A
+    module's policy is that of the first entry of `overrides` that matches it,
+    else `policy`. Keys of `overrides` are module classes (matched with
+    `isinstance`, e.g. ``nn.LayerNorm``) or regexes fully matching the module
+    path written ``"/Block_0/LayerNorm_1"`` (e.g. ``r".*/LayerNorm_\\d+"``);
+    values are `jaxmp.Policy` objects or policy strings. In nested scopes the
+    innermost one alone applies.
+
+    Normalisation layers compute their statistics in at least float32 in any
+    case (Flax upcasts them), and BatchNorm's ``batch_stats`` stay float32;
+    overriding them to ``"float32"`` also keeps their outputs in float32.
+
+    The scope works through `flax.linen.intercept_methods`: it must be active
+    while the model is traced (put it inside the jitted function, around
+    ``apply``), and it affects modules, not ``jnp`` code written in a module's
+    methods, which runs on whatever dtypes its submodules return.
+
+    Args:
+      policy: the default `jaxmp.Policy` or policy string.
+      overrides: optional mapping from module classes or path regexes to
+        policies; the first matching entry wins.
+
+    Yields:
+      The parsed default policy.
+
+    Raises:
+      TypeError / ValueError: for a bad `policy` or `overrides` entry (naming it).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.linen
+      >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
+      >>> x = jnp.ones((1, 3))
+      >>> params = model.init(jax.random.key(0), x)
+      >>> with jaxmp.linen.policy_scope("mixed_float16", {nn.LayerNorm: "float32"}):
+      ...     y, state = model.apply(params, x, capture_intermediates=True)
+      >>> layers = state["intermediates"]
+      >>> layers["layers_0"]["__call__"][0].dtype, layers["layers_1"]["__call__"][0].dtype
+      (dtype('float16'), dtype('float32'))
+      >>> y.dtype
+      dtype('float32')
+    """
+    policies = flax_common.module_policies(policy, overrides, module_base=nn.Module)
+    scopes = _scopes()
+    scopes.append(policies)
+    try:
+        with nn.intercept_methods(_interceptor(policies)):
+            yield policies.default
+    finally:
+        scopes.pop()
+
+
+def _split_overwrite(tree: Any) -> tuple[Any, Any]:
+    """Splits off Flax's FP8 collection: ``(params, overwrite)``, ``overwrite`` None if absent."""
+    if isinstance(tree, Mapping) and OVERWRITE_WITH_GRADIENT in tree:
+        return tree["params"], tree[OVERWRITE_WITH_GRADIENT]
+    return tree, None
+
+
+def _join_overwrite(params: Any, overwrite: Any) -> Any:
+    if overwrite is None:
+        return params
+    return {"params": params, OVERWRITE_WITH_GRADIENT: overwrite}
+
+
+def _with_loss_scaling(
+    tx: optax.GradientTransformation, policy: policy_lib.Policy, params: Any
+) -> optax.GradientTransformation:
+    """`tx` if its state holds a jaxmp loss-scaling state, else `tx` wrapped for `policy`."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(f"`tx` must be an optax.GradientTransformation, got {tx!r}.")
+    abstract = jax.eval_shape(tx.init, params)
+    if state_lib.find_loss_scaling_states(abstract):
+        return tx
+    leaves = jax.tree_util.tree_leaves(
+        abstract, is_leaf=lambda x: isinstance(x, MasterWeightsState)
+    )
+    if any(isinstance(leaf, MasterWeightsState) for leaf in leaves):
+        return loss_scaling(tx, default_loss_scale(policy))
+    return mixed_precision(tx, policy)
+
+
+class TrainState(train_state.TrainState):
+    """A Flax `TrainState` for mixed-precision training under a `jaxmp.Policy`.
+
+    Create it with `TrainState.create`. It is a pytree (the policy, like
+    ``apply_fn`` and ``tx``, is static), so it goes through `jax.jit` and orbax
+    checkpoints whole, loss scale and skip counters included.
+
+    ``apply_gradients(grads=...)`` takes the gradients of the *scaled* loss
+    (from `jaxmp.value_and_grad`, with ``state.loss_scale``) and calls
+    ``tx.update(grads, opt_state, params)``. When the gradients are not finite
+    the step is skipped whole: params, optimizer state and ``step`` stay
+    bit-identical and only the loss-scaling state moves (scale reduced, skip
+    counted). So ``step`` counts applied updates; the skipped ones are in
+    ``state.metrics()["skipped_steps"]``.
+
+    Flax FP8 variables (the ``"_overwrite_with_gradient"`` collection of
+    ``flax.linen.fp8_ops``, kept next to ``"params"`` as in Flax's own
+    `TrainState`) bypass the optimizer: their "gradients" are their new values
+    and are written as they are, never unscaled nor checked (unscaling them
+    would divide an FP8 scale of 1.0 by the loss scale); they are kept too on a
+    skipped step.
+
+    Attributes:
+      policy: the `jaxmp.Policy` (static).
+      loss_scale: the current `jaxmp.LossScale` (a property).
+    """
+
+    policy: policy_lib.Policy = struct.field(pytree_node=False)
+
+    @classmethod
+    def create(  # type: ignore[override]  # `policy` is required
+        cls,
+        *,
+        apply_fn: Callable[..., Any],
+        params: Any,
+        tx: optax.GradientTransformation,
+        policy: policy_lib.Policy | str,
+        **kwargs: Any,
+    ) -> TrainState:
+        """Creates the state with ``step=0``: params cast, optimizer initialised.
+
+        The optimizer is initialised from `params` as given (pass the float32
+        params from ``model.init`` so that a master copy starts exact); the state
+        then stores them cast to ``policy.param_dtype`` (floating leaves only; FP8
+        ``"_overwrite_with_gradient"`` variables are kept as they are).
+
+        `tx` may be any jaxmp transformation (`jaxmp.mixed_precision`,
+        `jaxmp.loss_scaling`, or an optax chain containing one). A `tx` whose
+        state holds no jaxmp loss-scaling state is wrapped automatically:
+        ``jaxmp.mixed_precision(tx, policy)`` (loss scale
+        `jaxmp.default_loss_scale`), or just `jaxmp.loss_scaling` when it
+        already holds a `jaxmp.master_weights` state.
+
+        Args:
+          apply_fn: usually ``model.apply``.
+          params: the params (or ``{"params": ..., "_overwrite_with_gradient": ...}``).
+          tx: an optax transformation (see above).
+          policy: a `jaxmp.Policy` or policy string.
+          **kwargs: further fields of a subclass.
+
+        Returns:
+          A `TrainState`; its ``step`` is an int32 array.
+
+        Raises:
+          TypeError / ValueError: for a bad `tx` or `policy`.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, jaxmp.linen
+          >>> model = nn.Dense(2)
+          >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+          >>> state = jaxmp.linen.TrainState.create(
+          ...     apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy="float16")
+          >>> state.params["kernel"].dtype, state.loss_scale.loss_scale
+          (dtype('float16'), Array(32768., dtype=float32))
+        """
+        policy = policy_lib.get_policy(policy)
+        params_with_opt, overwrite = _split_overwrite(params)
+        tx = _with_loss_scaling(tx, policy, params_with_opt)
+        opt_state = tx.init(params_with_opt)
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            apply_fn=apply_fn,
+            params=_join_overwrite(policy.cast_to_param(params_with_opt), overwrite),
+            tx=tx,
+            opt_state=opt_state,
+            policy=policy,
+            **kwargs,
+        )
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """Applies the gradients of the scaled loss; skips the step if they are not finite.
+
+        Args:
+          grads: gradients with the structure of ``params`` (from
+            `jaxmp.value_and_grad` called with ``self.loss_scale``).
+          **kwargs: other fields to replace, as in Flax (new BatchNorm statistics,
+            say); pytree fields among them are kept as they were on a skipped step.
+
+        Returns:
+          The new state: ``step`` advanced by one and params updated when the
+          gradients were finite, else only the loss-scaling state changed.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, jaxmp, jaxmp.linen
+          >>> model = nn.Dense(1)
+          >>> x = jnp.ones((4, 3))
+          >>> state = jaxmp.linen.TrainState.create(
+          ...     apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+          ...     tx=optax.sgd(0.1), policy="mixed_float16")
+          >>> loss_fn = lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2)
+          >>> _, grads = jaxmp.value_and_grad(loss_fn)(state.loss_scale, state.params)
+          >>> state = state.apply_gradients(grads=grads)
+          >>> int(state.step), bool(state.metrics()["grads_finite"])
+          (1, True)
+        """
+        grads_with_opt, grads_overwrite = _split_overwrite(grads)
+        params_with_opt, params_overwrite = _split_overwrite(self.params)
+        if (grads_overwrite is None) != (params_overwrite is None):
+            raise ValueError(
+                f"`grads` must have the structure of `params`: only one of them has the "
+                f"{OVERWRITE_WITH_GRADIENT!r} collection."
+            )
+        updates, opt_state = self.tx.update(grads_with_opt, self.opt_state, params_with_opt)
+        finite = state_lib.loss_scaling_state(opt_state).grads_finite
+        # The select keeps params bit-identical on a skipped step (adding a zero
+        # update would turn a -0.0 into +0.0).
+        new_params = tree_lib.select(
+            finite,
+            optax.apply_updates(params_with_opt, updates),
+            params_with_opt,
+            names=("updated params", "params"),
+        )
+        if grads_overwrite is not None:
+            grads_overwrite = tree_lib.select(
+                finite,
+                grads_overwrite,
+                params_overwrite,
+                names=(
+                    f"grads[{OVERWRITE_WITH_GRADIENT!r}]",
+                    f"params[{OVERWRITE_WITH_GRADIENT!r}]",
+                ),
+            )
+        # Other pytree fields given here (such as new BatchNorm statistics) are
+        # part of the step, so a skipped step keeps them too.
+        pytree_fields = {
+            f.name for f in dataclasses.fields(self) if f.metadata.get("pytree_node", True)
+        }
+        for name, value in kwargs.items():
+            if name in pytree_fields:
+                kwargs[name] = tree_lib.select(
+                    finite, value, getattr(self, name), names=(f"new {name}", name)
+                )
+        step = jnp.asarray(self.step)
+        return self.replace(
+            step=step + finite.astype(step.dtype),
+            params=_join_overwrite(new_params, grads_overwrite),
+            opt_state=opt_state,
+            **kwargs,
+        )
+
+    @property
+    def loss_scale(self) -> loss_scale_lib.LossScale:
+        """The `jaxmp.LossScale` to scale the next loss with."""
+        return state_lib.get_loss_scale(self.opt_state)
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """`jaxmp.loss_scale_metrics` of the optimizer state, for logging."""
+        return state_lib.loss_scale_metrics(self.opt_state)

@@ -1,0 +1,203 @@
+"""Mixed precision for Flax NNX: `set_policy`, `value_and_grad` and `Optimizer`.
+
+This module imports Flax; ``import jaxmp`` does not. `nnx.Optimizer` works with
+any jaxmp transformation as it is (``nnx.Optimizer(model,
+jaxmp.mixed_precision(tx, policy), wrt=nnx.Param)``), and `jaxmp.get_loss_scale`
+/ `jaxmp.loss_scale_metrics` accept it; `jaxmp.nnx.Optimizer` only adds that a
+skipped step does not advance ``step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp._src import flax_common
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import policy as policy_lib
+from jaxmp._src import state as state_lib
+from jaxmp._src.grad import as_loss_scale_object
+
+__all__ = ("Optimizer", "set_policy", "value_and_grad")
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+def _cast(variable: nnx.Param, dtype: Any) -> None:
+    value = variable.get_value()
+    if jnp.issubdtype(value.dtype, jnp.floating) and value.dtype != dtype:
+        variable.set_value(value.astype(dtype))
+
+
+def set_policy(
+    model: M,
+    policy: policy_lib.Policy | str,
+    overrides: Mapping[type | str, policy_lib.Policy | str] | None = None,
+) -> M:
+    """Puts every module of an NNX model under `policy` (or its override), in place.
+
+    Each module with a ``dtype`` attribute gets its policy's compute dtype and
+    each one with a ``param_dtype`` attribute its param dtype (NNX modules read
+    them when called and when creating params), and every `nnx.Param` is cast
+    to the param dtype of the module that holds it (``policy.param_dtype`` for
+    params outside any matched module). A module's policy is that of the first
+    entry of `overrides` matching it, else `policy`. Keys of `overrides` are
+    module classes (`isinstance`, e.g. ``nnx.LayerNorm``) or regexes fully
+    matching the module path written ``"/layers/0/norm"``; values are
+    `jaxmp.Policy` objects or policy strings. Batch statistics and other
+    non-param variables keep their dtype.
+
+    Create the optimizer *before* calling `set_policy` when the params become
+    float16 or bfloat16: then `jaxmp.master_weights` starts its float32 copy
+    from the exact float32 values. The model's output has the dtype its last
+    layer computes in; cast it with ``policy.cast_to_output`` (or compute the
+    loss in float32).
+
+    Args:
+      model: the NNX module.
+      policy: the default `jaxmp.Policy` or policy string.
+      overrides: optional mapping from module classes or path regexes to policies.
+
+    Returns:
+      `model` itself, changed in place.
+
+    Raises:
+      TypeError / ValueError: for a bad `model`, `policy` or `overrides` entry.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp.nnx
+      >>> from flax import nnx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.LayerNorm(4, rngs=rngs))
+      >>> model = jaxmp.nnx.set_policy(model, "float16", {nnx.LayerNorm: "float32"})
+      >>> model.layers[0].kernel.dtype, model.layers[1].scale.dtype
+      (dtype('float16'), dtype('float32'))
+      >>> model(jnp.ones((1, 3))).dtype
+      dtype('float32')
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"`model` must be an nnx.Module, got {type(model).__name__}.")
+    policies = flax_common.module_policies(policy, overrides, module_base=nnx.Module)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            _cast(node, policies.default.param_dtype)
+    for path, module in nnx.iter_modules(model):
+        module_policy = policies.policy_for(module, path)
+        for attr, value in (
+            (flax_common.DTYPE_ATTR, module_policy.compute_dtype),
+            (flax_common.PARAM_DTYPE_ATTR, module_policy.param_dtype),
+        ):
+            if flax_common.has_field(module, attr):
+                setattr(module, attr, value)
+        if module_policy.param_dtype != policies.default.param_dtype:
+            for value in vars(module).values():
+                if isinstance(value, nnx.Param):
+                    _cast(value, module_policy.param_dtype)
+    return model
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """`nnx.value_and_grad` of the loss multiplied by a loss scale (NNX `jaxmp.value_and_grad`).
+
+    Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)``: `value` is
+    `fun`'s own output (the unscaled loss, or ``(loss, aux)`` with `has_aux`);
+    `grads` (an `nnx.State` of the `nnx.Param` variables for a module argument) are
+    the gradients of ``loss_scale.scale(loss)``, for ``optimizer.update``.
+
+    Args:
+      fun: the loss function; returns a scalar (or ``(scalar, aux)``).
+      argnums: which positional argument(s) of `fun` to differentiate.
+      has_aux: whether `fun` returns ``(loss, aux)``.
+
+    Returns:
+      The function ``g``; `loss_scale` is a `jaxmp.LossScale` (for example
+      ``jaxmp.get_loss_scale(optimizer)``) or a scalar.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp, jaxmp.nnx
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
+      >>> loss_fn = lambda m: jnp.sum(m(jnp.ones((1, 2))))
+      >>> loss, grads = jaxmp.nnx.value_and_grad(loss_fn)(jaxmp.StaticLossScale(8.0), model)
+      >>> grads["kernel"].get_value().ravel()
+      Array([8., 8.], dtype=float32)
+    """
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {fun!r}.")
+
+    def g(loss_scale: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        scale = as_loss_scale_object(loss_scale)
+
+        def scaled_fun(*args, **kwargs):
+            out = fun(*args, **kwargs)
+            if has_aux:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise TypeError(
+                        "`fun` must return a pair (loss, aux) when has_aux=True, got "
+                        f"{type(out).__name__}."
+                    )
+                loss = out[0]
+            else:
+                loss = out
+            if jnp.shape(loss) != ():
+                raise TypeError(
+                    f"`fun` must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
+                    "(for example with .mean()) before returning."
+                )
+            return scale.scale(loss), out
+
+        grad_fn = nnx.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+        (_, value), grads = grad_fn(*args, **kwargs)
+        return value, grads
+
+    return g
+
+
+class Optimizer(nnx.Optimizer):
+    """`nnx.Optimizer` whose ``step`` does not advance on a skipped step.
+
+    With a jaxmp transformation (`jaxmp.mixed_precision`, `jaxmp.loss_scaling`)
+    a plain `nnx.Optimizer` already leaves the model and the optimizer's inner
+    state untouched on a non-finite step, but counts it in ``step``. This
+    subclass restores ``step`` too, so a skipped step changes nothing but the
+    loss-scaling state (scale reduced, skip counted in
+    ``jaxmp.loss_scale_metrics(optimizer)["skipped_steps"]``): ``step`` counts
+    applied updates. Its transformation must contain a jaxmp loss-scaling state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxmp, jaxmp.nnx
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> opt = jaxmp.nnx.Optimizer(
+      ...     model, jaxmp.mixed_precision(optax.sgd(0.1), "mixed_float16"), wrt=nnx.Param)
+      >>> grads = nnx.state(model, nnx.Param)
+      >>> grads = jax.tree.map(lambda g: jnp.full_like(g, jnp.inf), grads)
+      >>> _ = opt.update(model, grads)
+      >>> int(opt.step[...]), int(jaxmp.loss_scale_metrics(opt)["skipped_steps"])
+      (0, 1)
+    """
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
+        """Like `nnx.Optimizer.update`; ``step`` advances only when the step was applied."""
+        step = self.step[...]
+        updates = super().update(model, grads, **kwargs)
+        finite = state_lib.loss_scaling_state(self.opt_state).grads_finite
+        self.step[...] = step + finite.astype(step.dtype)
+        return updates
+
+    @property
+    def loss_scale(self) -> loss_scale_lib.LossScale:
+        """The `jaxmp.LossScale` to scale the next loss with."""
+        return state_lib.get_loss_scale(self.opt_state)
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """`jaxmp.loss_scale_metrics` of the optimizer state, for logging."""
+        return state_lib.loss_scale_metrics(self.opt_state)

@@ -1,0 +1,398 @@
+"""jaxmp.linen: policy_scope and TrainState, trained on scikit-learn's 8x8 digits."""
+
+import subprocess
+import sys
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.linen import fp8_ops
+from sklearn.datasets import load_digits
+
+import jaxmp
+import jaxmp.linen
+
+from .conftest import F16, F32
+
+STEPS = 300
+BATCH = 64
+NORM_OVERRIDES = {nn.LayerNorm: "float32", nn.BatchNorm: "float32"}
+POLICIES = {
+    "float32": "float32",
+    "mixed_float16": "mixed_float16",
+    "float16_params": "p=f16,c=f16,o=f32",
+}
+
+
+def digits():
+    """Train/test split of the 8x8 digits (NHWC images in [0, 1]), fixed order."""
+    x, y = load_digits(return_X_y=True)
+    perm = np.random.default_rng(0).permutation(len(x))
+    x = (x[perm] / 16.0).reshape(-1, 8, 8, 1).astype(np.float32)
+    y = y[perm].astype(np.int32)
+    return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+
+
+class CNN(nn.Module):
+    """A small CNN written in float32 (no dtype anywhere)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(16, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.relu(x)
+        x = nn.Conv(32, (3, 3), strides=(2, 2))(x)
+        x = nn.relu(x).reshape(x.shape[0], -1)
+        x = nn.Dense(64)(x)
+        x = nn.relu(nn.LayerNorm()(x))
+        return nn.Dense(10)(x)
+
+
+class TrainState(jaxmp.linen.TrainState):
+    batch_stats: dict
+
+
+def create_state(policy, tx=None, loss_scale=None, seed=0):
+    model = CNN()
+    variables = model.init(jax.random.key(seed), jnp.zeros((1, 8, 8, 1)), train=False)
+    if tx is None:
+        tx = jaxmp.mixed_precision(optax.adam(3e-3), policy, loss_scale)
+    return TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        batch_stats=variables["batch_stats"],
+        tx=tx,
+        policy=policy,
+    )
+
+
+def loss_fn(params, state, x, y):
+    with jaxmp.linen.policy_scope(state.policy, NORM_OVERRIDES):
+        logits, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+        )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, updates["batch_stats"]
+
+
+def train_step(state, x, y, poison=False):
+    grad_fn = jaxmp.value_and_grad(loss_fn, has_aux=True)
+    (loss, batch_stats), grads = grad_fn(state.loss_scale, state.params, state, x, y)
+    # `poison` (a traced bool) puts an inf into every gradient, as an overflow would.
+    grads = jax.tree.map(lambda g: g.at[(0,) * g.ndim].add(jnp.where(poison, jnp.inf, 0)), grads)
+    state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+    return state, loss, state.metrics()
+
+
+def batch_indices(steps=STEPS, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(1437, BATCH, replace=False) for _ in range(steps)])
+
+
+@jax.jit
+def train(state, x_train, y_train, indices):
+    def body(state, idx):
+        state, loss, metrics = train_step(state, x_train[idx], y_train[idx])
+        return state, (loss, metrics)
+
+    return jax.lax.scan(body, state, indices)
+
+
+@jax.jit
+def accuracy(state, x, y):
+    with jaxmp.linen.policy_scope(state.policy, NORM_OVERRIDES):
+        logits = state.apply_fn(
+            {"params": state.params, "batch_stats": state.batch_stats}, x, train=False
+        )
+    return jnp.mean(jnp.argmax(logits, -1) == y)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    (x_train, y_train), (x_test, y_test) = digits()
+    indices = batch_indices()
+    out = {}
+    for name, policy in POLICIES.items():
+        state, (losses, metrics) = train(create_state(policy), x_train, y_train, indices)
+        out[name] = (state, losses, metrics, float(accuracy(state, x_test, y_test)))
+    return out
+
+
+def test_import_jaxmp_does_not_import_flax():
+    code = (
+        "import sys, jaxmp; assert 'flax' not in sys.modules, 'flax imported'; "
+        "import jaxmp.linen, jaxmp.nnx; assert 'flax' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["mixed_float16", "float16_params"])
+def test_mixed_precision_matches_float32_accuracy(trained, name):
+    acc32 = trained["float32"][3]
+    acc = trained[name][3]
+    assert acc32 > 0.9, acc32
+    assert abs(acc - acc32) <= 0.01, (name, acc, acc32)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_trained_state_dtypes_and_loss_scale(trained, name):
+    state, losses, metrics, _ = trained[name]
+    policy = jaxmp.get_policy(POLICIES[name])
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {policy.param_dtype}
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.batch_stats)} == {F32}
+    assert np.all(np.isfinite(losses)) and losses[-20:].mean() < 0.25 * losses[:5].mean()
+    # Every skipped step halves the dynamic scale; none advances `step`.
+    skipped = int(metrics["skipped_steps"][-1])
+    assert int(state.step) == STEPS - skipped
+    if policy.compute_dtype == F16:
+        assert isinstance(state.loss_scale, jaxmp.DynamicLossScale)
+        assert float(state.loss_scale.loss_scale) == 2.0 ** (15 - skipped)
+    else:
+        assert isinstance(state.loss_scale, jaxmp.NoOpLossScale) and skipped == 0
+
+
+def _primitive_dtypes(jaxpr, names):
+    """The output dtypes of every equation whose primitive is in `names` (recursively)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            found.append((eqn.primitive.name, eqn.outvars[0].aval.dtype))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _primitive_dtypes(sub, names)
+    return found
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [NORM_OVERRIDES, {r".*/LayerNorm_\d+": "float32", r".*/BatchNorm_\d+": "float32"}],
+    ids=["classes", "regexes"],
+)
+def test_policy_scope_dtypes_inside_the_model(overrides):
+    model = CNN()
+    x = jnp.ones((2, 8, 8, 1))
+    variables = model.init(jax.random.key(0), x)
+
+    def apply(variables, x):
+        with jaxmp.linen.policy_scope("mixed_float16", overrides):
+            return model.apply(
+                variables, x, mutable=["batch_stats", "intermediates"], capture_intermediates=True
+            )
+
+    (logits, state) = jax.jit(apply)(variables, x)
+    calls = {
+        k: v["__call__"][0].dtype for k, v in state["intermediates"].items() if k != "__call__"
+    }
+    assert calls == {
+        "Conv_0": F16,
+        "BatchNorm_0": F32,
+        "Conv_1": F16,
+        "Dense_0": F16,
+        "LayerNorm_0": F32,
+        "Dense_1": F16,
+    }
+    assert logits.dtype == F32  # the policy's output dtype
+    assert {leaf.dtype for leaf in jax.tree.leaves(state["batch_stats"])} == {F32}
+    jaxpr = jax.make_jaxpr(apply)(variables, x).jaxpr
+    matmuls = _primitive_dtypes(jaxpr, {"dot_general", "conv_general_dilated"})
+    assert len(matmuls) == 4 and {dtype for _, dtype in matmuls} == {F16}, matmuls
+    # Normalisation statistics (BatchNorm and LayerNorm means and variances).
+    reductions = _primitive_dtypes(jaxpr, {"reduce_sum"})
+    assert len(reductions) >= 4 and {dtype for _, dtype in reductions} == {F32}, reductions
+
+
+def test_policy_scope_does_not_leak():
+    model = nn.Dense(3)
+    x = jnp.ones((1, 2))
+    variables = model.init(jax.random.key(0), x)
+    bound = model.bind(variables)
+    with jaxmp.linen.policy_scope("float16"):
+        assert model.apply(variables, x).dtype == F16
+        assert bound(x).dtype == F16
+    assert model.apply(variables, x).dtype == F32
+    assert bound(x).dtype == F32 and bound.dtype is None and model.dtype is None
+
+
+def test_policy_scope_init_creates_params_in_param_dtype():
+    model = CNN()
+
+    @jax.jit
+    def init(key):
+        with jaxmp.linen.policy_scope("float16", {"/LayerNorm_0": "float32"}):
+            return model.init(key, jnp.zeros((1, 8, 8, 1)))
+
+    variables = init(jax.random.key(0))
+    dtypes = jax.tree.map(lambda a: a.dtype, variables["params"])
+    assert dtypes["Dense_0"] == {"kernel": F16, "bias": F16}
+    assert dtypes["LayerNorm_0"] == {"scale": F32, "bias": F32}
+    assert {leaf.dtype for leaf in jax.tree.leaves(variables["batch_stats"])} == {F32}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        ({nn.Dense: "f12"}, ValueError, r"`overrides\[<class 'flax.linen.linear.Dense'>\]`"),
+        ({int: "float32"}, TypeError, "keys must be flax.linen.module.Module subclasses"),
+        ({"(": "float32"}, ValueError, "must be a valid regular expression"),
+        ([nn.Dense], TypeError, "`overrides` must be a mapping"),
+    ],
+)
+def test_policy_scope_bad_overrides(overrides, error, match):
+    with pytest.raises(error, match=match):
+        with jaxmp.linen.policy_scope("float16", overrides):
+            pass
+
+
+def test_create_initialises_master_copy_from_full_precision_params():
+    state = create_state("p=f16,c=f16")
+    kernel = state.params["Dense_0"]["kernel"]
+    master = state.opt_state.inner_state.master["Dense_0"]["kernel"]
+    assert kernel.dtype == F16 and master.dtype == F32
+    model = CNN()
+    full = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)), train=False)["params"]
+    np.testing.assert_array_equal(master, full["Dense_0"]["kernel"])  # exact, not rounded
+
+
+@pytest.mark.parametrize(
+    ("tx", "state_type"),
+    [
+        (optax.adam(1e-3), jaxmp.MasterWeightsState),
+        (jaxmp.master_weights(optax.adam(1e-3)), jaxmp.MasterWeightsState),
+        (jaxmp.mixed_precision(optax.adam(1e-3), "float16"), jaxmp.MasterWeightsState),
+    ],
+    ids=["plain", "master_weights", "mixed_precision"],
+)
+def test_create_wraps_a_plain_optimizer(tx, state_type):
+    state = create_state("float16", tx=tx)
+    assert isinstance(state.opt_state, jaxmp.LossScalingState)
+    # Exactly one master copy, whichever way the optimizer was given.
+    assert isinstance(state.opt_state.inner_state, state_type)
+    assert not isinstance(state.opt_state.inner_state.inner_state, jaxmp.MasterWeightsState)
+    assert float(state.loss_scale.loss_scale) == 2.0**15
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "p=f16,c=f16"])
+def test_skipped_step_changes_nothing_but_the_loss_scale(policy):
+    (x_train, y_train), _ = digits()
+    state = create_state(policy)
+    step = jax.jit(train_step)
+    state, _, _ = step(state, x_train[:BATCH], y_train[:BATCH], False)
+    new, _, metrics = step(state, x_train[BATCH : 2 * BATCH], y_train[BATCH : 2 * BATCH], True)
+    with jax.numpy_dtype_promotion("strict"):
+        leaves = jax.tree.leaves((state.params, state.batch_stats, state.step))
+        for old_leaf, new_leaf in zip(
+            leaves, jax.tree.leaves((new.params, new.batch_stats, new.step)), strict=True
+        ):
+            assert old_leaf.dtype == new_leaf.dtype
+            np.testing.assert_array_equal(old_leaf, new_leaf)
+        for old_leaf, new_leaf in zip(
+            jax.tree.leaves(state.opt_state.inner_state),
+            jax.tree.leaves(new.opt_state.inner_state),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(old_leaf, new_leaf)
+    assert int(metrics["skipped_steps"]) == 1 and not bool(metrics["grads_finite"])
+    assert float(new.loss_scale.loss_scale) == float(state.loss_scale.loss_scale) / 2
+
+
+def test_grads_structure_must_match_fp8_collection():
+    state = create_state("mixed_float16")
+    grads = {"params": state.params, fp8_ops.OVERWRITE_WITH_GRADIENT: {}}
+    with pytest.raises(ValueError, match="only one of them has the '_overwrite_with_gradient'"):
+        state.apply_gradients(grads=grads, batch_stats=state.batch_stats)
+
+
+class Fp8MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(x)
+        return nn.Dense(1)(nn.relu(x))
+
+
+def _fp8_run(loss_scale, steps):
+    model = Fp8MLP()
+    x = jax.random.normal(jax.random.key(1), (8, 4))
+    variables = model.init(jax.random.key(0), x)
+    tx = jaxmp.loss_scaling(optax.sgd(0.01), jaxmp.StaticLossScale(loss_scale))
+    state = jaxmp.linen.TrainState.create(
+        apply_fn=model.apply, params=variables, tx=tx, policy="float32"
+    )
+
+    @jax.jit
+    def step(state):
+        loss = lambda v: jnp.mean(state.apply_fn(v, x) ** 2)  # noqa: E731
+        _, grads = jaxmp.value_and_grad(loss)(state.loss_scale, state.params)
+        return state.apply_gradients(grads=grads)
+
+    for _ in range(steps):
+        state = step(state)
+    return state, float(jnp.max(jnp.abs(x)))
+
+
+def test_fp8_overwrite_with_gradient_variables_are_not_unscaled():
+    state, amax = _fp8_run(1024.0, steps=1)
+    fp8 = state.params[fp8_ops.OVERWRITE_WITH_GRADIENT]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+    # Unscaling would have divided them by 1024 (Flax's DynamicScale gives ~0.001).
+    assert float(fp8["input_scale"][0]) == 1.0 and float(fp8["kernel_scale"][0]) == 1.0
+    assert float(fp8["input_amax_history"][0]) == amax
+    # Same FP8 input/kernel meta and params as with no loss scaling, several steps on.
+    scaled, _ = _fp8_run(1024.0, steps=3)
+    plain, _ = _fp8_run(1.0, steps=3)
+    key = "Fp8DirectDotGeneralOp_0"
+    for name in ("input_scale", "kernel_scale", "input_amax_history", "kernel_amax_history"):
+        a = scaled.params[fp8_ops.OVERWRITE_WITH_GRADIENT]["Dense_0"][key][name]
+        b = plain.params[fp8_ops.OVERWRITE_WITH_GRADIENT]["Dense_0"][key][name]
+        np.testing.assert_array_equal(a, b)
+    assert (
+        float(scaled.params[fp8_ops.OVERWRITE_WITH_GRADIENT]["Dense_0"][key]["input_scale"][0])
+        != 1.0
+    )
+    assert int(scaled.step) == 3
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, carry=None):
+        return nn.LayerNorm()(nn.Dense(8)(x)), None
+
+
+class _Lifted(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.remat(_Block)()(x)[0]
+        scan = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        x, _ = scan()(x, None)
+        x = nn.jit(_Block)()(x)[0]
+        return nn.Dense(2)(x)
+
+
+def test_policy_scope_reaches_into_lifted_transforms():
+    model = _Lifted()
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+
+    def apply(variables, x):
+        with jaxmp.linen.policy_scope("mixed_float16", NORM_OVERRIDES):
+            return model.apply(variables, x)
+
+    jaxpr = jax.make_jaxpr(apply)(variables, x).jaxpr
+    matmuls = _primitive_dtypes(jaxpr, {"dot_general"})
+    assert len(matmuls) == 4 and {dtype for _, dtype in matmuls} == {F16}, matmuls
+    assert apply(variables, x).dtype == F32
+
+
+def test_nested_policy_scopes_innermost_wins():
+    model = nn.Sequential([nn.Dense(3), nn.Dense(2)])
+    x = jnp.ones((1, 2))
+    variables = model.init(jax.random.key(0), x)
+    with jaxmp.linen.policy_scope("float16"):
+        with jaxmp.linen.policy_scope("p=f32,c=bf16,o=f32", {"/layers_1": "float16"}):
+            y, state = model.apply(variables, x, capture_intermediates=True)
+        assert model.apply(variables, x).dtype == F16
+    calls = state["intermediates"]
+    assert calls["layers_0"]["__call__"][0].dtype == jnp.bfloat16
+    assert calls["layers_1"]["__call__"][0].dtype == F16
+    assert y.dtype == F32
