@@ -13,6 +13,7 @@ from jaxmp._src.autocast import (
     float32_region,
 )
 from jaxmp._src.casting import cast_to_full, cast_to_half, cast_tree
+from jaxmp._src.distributed import pmean_in_float32, psum_in_float32, state_shardings
 from jaxmp._src.dtypes import half_dtype
 from jaxmp._src.grad import value_and_grad
 from jaxmp._src.loss_scale import (
@@ -65,6 +66,9 @@ __all__ = (
     "loss_scaling",
     "master_weights",
     "mixed_precision",
+    "pmean_in_float32",
+    "psum_in_float32",
     "select_tree",
+    "state_shardings",
     "value_and_grad",
 )

@@ -105,3 +105,17 @@ def test_skipped_step_keeps_params_and_state():
   new_params = optax.apply_updates(params, updates)
   chex.assert_trees_all_equal(new_params, params)
   chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+
+
+def test_axis_name_reaches_loss_scaling():
+  tx = jaxmp.mixed_precision(optax.sgd(1.0), "mixed_float16", axis_name="devices")
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  grads = {"w": jnp.array([[1.0, 1.0], [jnp.nan, 1.0]])}  # device 1 overflows
+
+  def update(g, s, p):
+    return tx.update(g, s, p)
+
+  _, states = jax.vmap(update, in_axes=(0, None, None), out_axes=(0, 0),
+                       axis_name="devices")(grads, state, params)
+  assert states.skipped_steps.tolist() == [1, 1]  # both devices skip

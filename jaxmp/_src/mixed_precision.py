@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import optax
 
 from jaxmp._src import dtypes
@@ -33,6 +35,8 @@ def mixed_precision(
     inner: optax.GradientTransformation,
     policy: policy_lib.Policy | str,
     loss_scale: loss_scale_lib.LossScale | None = None,
+    *,
+    axis_name: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optimizer for training under `policy`.
 
@@ -48,6 +52,7 @@ def mixed_precision(
     inner: the optimizer (any optax transformation).
     policy: a `Policy` or a policy string for `get_policy`.
     loss_scale: the loss scale; default `default_loss_scale(policy)`.
+    axis_name: passed to `loss_scaling`, for `shard_map` / `pmap` code.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.
@@ -70,4 +75,4 @@ def mixed_precision(
     loss_scale = loss_scale_lib.as_loss_scale(loss_scale)
   if policy.param_dtype in dtypes.HALF_DTYPES:
     inner = master_weights(inner)
-  return loss_scaling(inner, loss_scale)
+  return loss_scaling(inner, loss_scale, axis_name=axis_name)
