@@ -1,0 +1,193 @@
+"""Reading XLA's cost model and compiled HLO: bytes accessed, per-fusion breakdown, machine info.
+
+Standard library, jax and numpy only (used by `gpu_benchmark.py` too).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import platform
+import re
+import statistics
+import time
+from typing import Any
+
+import jax
+
+_ITEMSIZE = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def cost(compiled: Any) -> dict[str, float]:
+    """`compiled.cost_analysis()` as one flat dict (older jax returns a list of one dict)."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0]
+    return dict(analysis)
+
+
+def bytes_accessed(compiled: Any) -> float:
+    return float(cost(compiled)["bytes accessed"])
+
+
+def flops(compiled: Any) -> float:
+    return float(cost(compiled).get("flops", 0.0))
+
+
+def _nbytes(type_text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        n = 1
+        for d in dims.split(","):
+            if d:
+                n *= int(d)
+        total += n * _ITEMSIZE[dtype]
+    return total
+
+
+def entry_instructions(hlo_text: str) -> list[dict[str, Any]]:
+    """The instructions of the ENTRY computation with operand and output bytes.
+
+    Each dict: name, opcode, out_bytes and operands, a list of ``(name, bytes, path)`` where
+    `path` is the jit argument path of an entry parameter (its HLO ``op_name`` metadata) and
+    None for an intermediate.
+    Operand bytes count each distinct operand once, as XLA's cost model does for fusions.
+    """
+    lines = hlo_text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+    sizes: dict[str, int] = {}
+    param_names: dict[str, str] = {}
+    out = []
+    for line in lines[start + 1 :]:
+        if line.startswith("}"):
+            break
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, type_text, opcode, args, rest = m.groups()
+        sizes[name] = _nbytes(type_text.split("{")[0] if "(" not in type_text else type_text)
+        if opcode == "parameter":
+            op_name = _OP_NAME.search(rest)
+            param_names[name] = op_name.group(1).replace("\\'", "'") if op_name else name
+            continue
+        operands = list(dict.fromkeys(re.findall(r"%([\w.\-]+)", args)))
+        out.append(
+            dict(
+                name=name,
+                opcode=opcode,
+                out_bytes=sizes[name],
+                # (operand, bytes, argument path or None for an intermediate)
+                operands=[(o, sizes.get(o, 0), param_names.get(o)) for o in operands],
+            )
+        )
+    return out
+
+
+def _root_outputs(hlo_text: str) -> dict[str, list[int]]:
+    """Instruction name -> indices of the entry's output tuple that it produces."""
+    root = next(line for line in hlo_text.splitlines() if line.lstrip().startswith("ROOT %tuple"))
+    args = root[root.index(" tuple(") + 7 : root.rindex(")")]
+    outputs: dict[str, list[int]] = collections.defaultdict(list)
+    for i, name in enumerate(re.findall(r"%([\w.\-]+)", args)):
+        outputs[name].append(i)
+    return outputs
+
+
+def fusion_breakdown(
+    compiled: Any, classify_input: Any, output_labels: list[str], unit: float
+) -> list[tuple[str, str, float, float, int]]:
+    """Groups the compiled program's instructions by what they read and write.
+
+    Args:
+      compiled: a `jax.stages.Compiled`.
+      classify_input: maps an entry parameter's name (its argument path) to a label
+        ("grads", "mu", ...).
+      output_labels: a label for each leaf of the function's flattened output.
+      unit: bytes per unit (for example the bytes of one float32 copy of the params).
+
+    Returns:
+      Rows ``(reads, writes, bytes read, bytes written, count)`` in units, largest first;
+      ``reads`` lists the labels of the inputs read (``new <label>`` for an output read back,
+      ``tmp`` for other intermediates) and
+      ``writes`` the labels of the outputs written (``tmp`` when not a program output).
+    """
+    text = compiled.as_text()
+    outputs = _root_outputs(text)
+    groups: dict[tuple[str, str], list[float]] = {}
+    for ins in entry_instructions(text):
+        if ins["opcode"] in ("tuple", "get-tuple-element", "bitcast", "constant"):
+            continue
+        reads = set()
+        read_bytes = 0
+        for operand, nbytes, path in ins["operands"]:
+            read_bytes += nbytes
+            if nbytes <= 16:  # scalars (step counters, the loss scale, flags) are not listed
+                continue
+            if path is not None:
+                reads.add(classify_input(path))
+            elif operand in outputs:  # a new value that is also written out, read back
+                reads.update(f"new {output_labels[i]}" for i in outputs[operand])
+            else:
+                reads.add("tmp")
+        reads = sorted(reads)
+        if ins["out_bytes"] <= 16 and read_bytes <= 64:
+            continue
+        writes = sorted({output_labels[i] for i in outputs.get(ins["name"], [])}) or ["tmp"]
+        key = (",".join(reads) or "-", ",".join(writes))
+        row = groups.setdefault(key, [0.0, 0.0, 0])
+        row[0] += read_bytes / unit
+        row[1] += ins["out_bytes"] / unit
+        row[2] += 1
+    rows = [(r, w, b[0], b[1], int(b[2])) for (r, w), b in groups.items()]
+    rows.sort(key=lambda r: -(r[2] + r[3]))
+    return rows
+
+
+def median_time(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    """CPU model, core count, accelerator and versions, on one line."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import jaxlib  # noqa: PLC0415
+
+    devices = jax.devices()
+    device = f"{devices[0].platform}:{getattr(devices[0], 'device_kind', '')}"
+    return (
+        f"{cpu}, {os.cpu_count()} cores; device {device} x{len(devices)}; "
+        f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; Python {platform.python_version()}"
+    )
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def fmt(row):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(cells[0]), sep] + [fmt(r) for r in cells[1:]])

@@ -1,0 +1,77 @@
+"""Smoke tests of the benchmark scripts (tiny configurations; numbers are not checked here,
+except that they exist and the byte ratios keep their order)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+
+@pytest.fixture
+def benchmarks_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+
+
+def test_gpu_benchmark_tiny_runs_on_cpu():
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "gpu_benchmark.py"), "--tiny"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for label in ("float32, optax.adam", "mixed_float16, jaxmp", "mixed_bfloat16, jaxmp"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {label} "))
+        tokens_per_s = row.split("|")[2].strip()
+        assert re.fullmatch(r"[\d,]+", tokens_per_s), row  # measured, not skipped
+    ratio = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) == 6 and cells[1].startswith(("optax.adam", "jaxmp.loss_scaling", "naive")):
+            ratio[cells[1].split(" ")[0]] = float(cells[4])
+    assert ratio["jaxmp.loss_scaling(adam)"] < ratio["naive"]
+
+
+def test_train_step_benchmark_functions(benchmarks_on_path):
+    import _model
+    import train_step
+
+    config = _model.CONFIGS["tiny"]
+    tokens = _model.batch(config)
+    mem = train_step.memory(config, tokens, ["mixed_float16"], ["jaxmp", "manual"])
+    assert all(m["temp"] > 0 for m in mem.values())
+    compiled = {a: (mem[a, "mixed_float16"]["compiled"], mem[a, "mixed_float16"]["carry"])
+                for a in ("jaxmp", "manual")}  # fmt: skip
+    times = train_step.step_times(compiled, tokens, rounds=2)
+    assert set(times) == {"jaxmp", "manual"} and all(t > 0 for t in times.values())
+    lower_s, compile_s, total_s = train_step.compile_times(
+        config, tokens, ["jaxmp"], "mixed_float16", repeats=1
+    )["jaxmp"]
+    assert 0 < lower_s < total_s and 0 < compile_s < total_s
+
+
+@pytest.mark.parametrize("approach", ["manual", "jmp", "apply_if_finite", "flax"])
+def test_every_approach_skips_an_overflowing_float16_step(benchmarks_on_path, approach):
+    """The hand-written steps and peers skip a float16 overflow (jaxmp's is tested elsewhere)."""
+    import _model
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    config = _model.CONFIGS["tiny"]
+    init, step = _model.make_step(approach, "mixed_float16", config)
+    carry = init(0)
+    # A loss scale of 2**15 on top of a huge loss overflows float16 in the backward pass.
+    big = jax.tree.map(lambda x: x * 1e4 if x.dtype == jnp.float32 and x.ndim == 2 else x, carry[0])
+    new, loss = jax.jit(step)((big, *carry[1:]), _model.batch(config))
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), new[0], big)
+    assert all(jax.tree.leaves(same)), approach
