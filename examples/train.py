@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import sharding
 from lm import config as config_lib
 from lm import data as data_lib
 from lm import model as model_lib
@@ -46,6 +47,13 @@ import jaxmp
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "mixed_float16"
+COMPARE_ORDER = (
+    "fp32",
+    "mixed_float16",
+    "mixed_bfloat16",
+    "float16_master_weights",
+    "float16_no_loss_scale",
+)
 COLUMNS = (
     "step",
     "train_loss",
@@ -114,24 +122,6 @@ def make_model(
     )
 
 
-def make_loss_scale(config: config_lib.Config) -> Any:
-    """The configured loss scale, or None to let `jaxmp.mixed_precision` choose ("auto")."""
-    kind = config.loss_scale
-    if kind == "auto":
-        return None
-    if kind == "none":
-        return jaxmp.NoOpLossScale()
-    if kind == "static":
-        return jaxmp.StaticLossScale(config.loss_scale_init)
-    return jaxmp.DynamicLossScale(
-        config.loss_scale_init,
-        period=config.loss_scale_period,
-        factor=config.loss_scale_factor,
-        min_loss_scale=config.loss_scale_min,
-        max_loss_scale=config.loss_scale_max,
-    )
-
-
 def make_optimizer(config: config_lib.Config) -> optax.GradientTransformationExtraArgs:
     """AdamW with warmup and cosine decay, wrapped by `jaxmp.mixed_precision` for the policy.
 
@@ -146,7 +136,7 @@ def make_optimizer(config: config_lib.Config) -> optax.GradientTransformationExt
         optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity(),
         optax.adamw(schedule, b2=0.99, weight_decay=config.weight_decay),
     )
-    return jaxmp.mixed_precision(inner, config.policy, make_loss_scale(config))
+    return jaxmp.mixed_precision(inner, config.policy, config.make_loss_scale())
 
 
 def create_train_state(
@@ -260,11 +250,42 @@ def gradient_underflow(
         _, test = test_fn(scale, config.policy.cast_to_param(params_f32), *batch)
         nonzero = sum(jnp.sum(r != 0) for r in jax.tree.leaves(ref))
         flushed = sum(
-            jnp.sum((r != 0) & (t == 0)) for r, t in zip(jax.tree.leaves(ref), jax.tree.leaves(test))
+            jnp.sum((r != 0) & (t == 0))
+            for r, t in zip(jax.tree.leaves(ref), jax.tree.leaves(test), strict=True)
         )
         return flushed / jnp.maximum(nonzero, 1)
 
     return float(count(params_f32))
+
+
+def logit_gradient_underflow(
+    config: config_lib.Config,
+    params: Any,
+    batch: tuple[np.ndarray, np.ndarray],
+    loss_scale: float = 1.0,
+    *,
+    vocab_size: int,
+) -> float:
+    """Fraction of nonzero float32 gradients w.r.t. the logits that round to zero under `config`.
+
+    The backward pass enters the model through the logits: their float32 gradient (times
+    `loss_scale`) is cast to the output and then the compute dtype. For a mean loss over
+    ``batch * seq_len`` characters each element is ``(p - onehot) / (batch * seq_len)``, so
+    the gradients of improbable characters are far below float16's smallest subnormal.
+    """
+    reference = make_model(dataclasses.replace(config, precision="f32"), vocab_size)
+    policy = config.policy
+    inputs, targets = batch
+
+    @jax.jit
+    def fraction(params_f32):
+        logits = reference.apply({"params": params_f32}, inputs)
+        grads = jax.grad(model_lib.cross_entropy)(logits, targets) * loss_scale
+        cast = grads.astype(policy.output_dtype).astype(policy.compute_dtype)
+        nonzero = grads != 0
+        return jnp.sum(nonzero & (cast == 0)) / jnp.maximum(jnp.sum(nonzero), 1)
+
+    return float(fraction(jaxmp.cast_tree(params, jnp.float32)))
 
 
 def _load_history(workdir: pathlib.Path, upto: int) -> list[dict[str, Any]]:
@@ -312,6 +333,7 @@ def train_and_evaluate(
     *,
     resume: bool = False,
     progress: bool = True,
+    verbose: bool = True,
     stop_at: int | None = None,
     sample_length: int = 80,
 ) -> RunResult:
@@ -321,7 +343,8 @@ def train_and_evaluate(
         config: the run's config.
         workdir: where metrics, the resolved config, checkpoints and the figure go.
         resume: continue from the latest checkpoint in `workdir` (start fresh if none).
-        progress: show a tqdm bar and per-event lines.
+        progress: show a tqdm bar.
+        verbose: print a line per evaluation, loss-scale change and skipped step.
         stop_at: stop (and checkpoint) after this step, as if interrupted; the schedule still
             runs to ``config.steps``.
         sample_length: characters of generated text in the result (0: none).
@@ -331,7 +354,17 @@ def train_and_evaluate(
     dataset = get_dataset(config.val_fraction)
     model = make_model(config, dataset.vocab_size)
     tx = make_optimizer(config)
-    state = create_train_state(config, jax.random.PRNGKey(config.seed), vocab_size=dataset.vocab_size)
+    state = create_train_state(
+        config, jax.random.PRNGKey(config.seed), vocab_size=dataset.vocab_size
+    )
+    mesh = sharding.make_mesh(config.mesh) if config.mesh else None
+    jit_kwargs: dict[str, Any] = {}
+    if mesh is not None:  # Params and optimizer state sharded FSDP-style, the batch over all.
+        state, state_shardings = sharding.shard_train_state(tx, state, mesh)
+        jit_kwargs["out_shardings"] = (state_shardings, sharding.replicated(mesh))
+
+    def put(batch):
+        return batch if mesh is None else sharding.shard_batch(batch, mesh)
 
     ckpt_dir = workdir / "checkpoints"
     if not resume and ckpt_dir.exists():
@@ -347,7 +380,7 @@ def train_and_evaluate(
     (workdir / "config.yaml").write_text(config_lib.dump(config))
     writer = MetricsWriter(workdir, history)
 
-    log = tqdm.write if progress else (lambda *a, **k: None)
+    log = tqdm.write if verbose else (lambda *a, **k: None)
     unigram = data_lib.unigram_entropy(dataset.train, dataset.val, dataset.vocab_size)
     log(
         f"{config.name}: policy {config.policy}, loss scale {config.loss_scale}; "
@@ -356,8 +389,11 @@ def train_and_evaluate(
         + (f"; resuming at step {start}" if latest is not None else "")
     )
 
-    inputs, targets = data_lib.train_batch(dataset.train, config.seed, 0, config.batch_size, config.seq_len)
-    compiled = jax.jit(make_train_step(config, model, tx)).lower(state, inputs, targets).compile()
+    inputs, targets = put(
+        data_lib.train_batch(dataset.train, config.seed, 0, config.batch_size, config.seq_len)
+    )
+    train_step = jax.jit(make_train_step(config, model, tx), **jit_kwargs)
+    compiled = train_step.lower(state, inputs, targets).compile()
     memory = compiled.memory_analysis()
     peak = None
     if memory is not None:
@@ -374,11 +410,12 @@ def train_and_evaluate(
     bar = tqdm(
         total=config.steps, initial=start, unit="step", desc=config.name, disable=not progress
     )
-    step = start
     try:
         for step in range(start + 1, stop + 1):
-            inputs, targets = data_lib.train_batch(
-                dataset.train, config.seed, step - 1, config.batch_size, config.seq_len
+            inputs, targets = put(
+                data_lib.train_batch(
+                    dataset.train, config.seed, step - 1, config.batch_size, config.seq_len
+                )
             )
             t0 = time.perf_counter()
             state, metrics = compiled(state, inputs, targets)
@@ -454,36 +491,44 @@ def train_and_evaluate(
 
 
 def plot_runs(results: Sequence[RunResult], path: pathlib.Path) -> None:
-    """Loss curves (train, smoothed; validation) and loss-scale trajectories of `results`."""
+    """Loss curves, validation loss relative to the first run, and loss-scale trajectories."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    fig, (ax_loss, ax_diff, ax_scale) = plt.subplots(
+        3, 1, figsize=(9, 9), sharex=True, height_ratios=(3, 2, 2)
+    )
+    reference = _val_curve(results[0]) if results else {}
     for i, result in enumerate(results):
         color = f"C{i}"
         name = result.config.name
         steps = np.array([r["step"] for r in result.history])
         train = np.array([r["train_loss"] for r in result.history])
-        smooth = _ema(train, 0.9)
-        ax_loss.plot(steps, smooth, color=color, alpha=0.5, lw=1)
-        val = [(r["step"], r["val_loss"]) for r in result.history if r["val_loss"] is not None]
+        ax_loss.plot(steps, _ema(train, 0.9), color=color, alpha=0.5, lw=1)
+        val = _val_curve(result)
         if val:
-            vs, vl = zip(*val)
-            ax_loss.plot(vs, vl, color=color, marker="o", ms=3, label=f"{name} (val)")
+            ax_loss.plot(list(val), list(val.values()), color=color, marker="o", ms=3, label=name)
+        common = [s for s in val if s in reference]
+        if common:
+            diff = [100 * (val[s] / reference[s] - 1) for s in common]
+            ax_diff.plot(common, diff, color=color, marker="o", ms=3, label=name)
         scales = np.array([r["loss_scale"] for r in result.history])
         ax_scale.step(steps, scales, where="post", color=color, label=name)
         skipped = np.array([r["skipped"] for r in result.history], dtype=bool)
         if skipped.any():
-            ax_scale.plot(steps[skipped], scales[skipped], "x", color=color, ms=6)
+            ax_scale.plot(steps[skipped], scales[skipped], "x", color=color, ms=7)
     if results:
         ax_loss.axhline(
             results[0].unigram_loss, color="gray", ls="--", lw=1, label="unigram baseline"
         )
+        ax_diff.set_title(f"validation loss relative to {results[0].config.name} (%)")
     ax_loss.set_ylabel("loss (nats/char)")
-    ax_loss.set_title("training (thin, smoothed) and validation (markers) loss")
+    ax_loss.set_title("training loss (thin, smoothed) and validation loss (markers)")
     ax_loss.legend(fontsize=8)
+    ax_diff.axhline(0.0, color="gray", lw=1)
+    ax_diff.set_ylabel("%")
     ax_scale.set_yscale("log", base=2)
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_xlabel("step")
@@ -492,6 +537,10 @@ def plot_runs(results: Sequence[RunResult], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _val_curve(result: RunResult) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in result.history if r["val_loss"] is not None}
 
 
 def _ema(values: np.ndarray, decay: float) -> np.ndarray:
@@ -513,38 +562,40 @@ def summarize(results: Sequence[RunResult]) -> str:
     )[0]
     header = (
         "| config | precision | final val loss | vs fp32 | skipped | final scale "
-        "| median step | peak memory | grad underflow |"
+        "| median step | peak memory | param grad underflow | logit grad underflow |"
     )
-    lines = [header, "|" + "---|" * 9]
+    lines = [header, "|" + "---|" * 10]
     for r in results:
         diff = "n/a"
         if reference is not None:
             diff = f"{100 * (r.final_val_loss / reference.final_val_loss - 1):+.2f}%"
-        underflow = gradient_underflow(
-            r.config, ref_params, batch, r.final_loss_scale, vocab_size=dataset.vocab_size
+        kwargs = dict(vocab_size=dataset.vocab_size)
+        underflow = gradient_underflow(r.config, ref_params, batch, r.final_loss_scale, **kwargs)
+        logit_underflow = logit_gradient_underflow(
+            r.config, ref_params, batch, r.final_loss_scale, **kwargs
         )
         memory = "n/a" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.1f} MiB"
         lines.append(
             f"| {r.config.name} | {r.config.policy} | {r.final_val_loss:.4f} | {diff} "
             f"| {r.skipped_steps} | {_describe_scale(r.final_loss_scale)} "
-            f"| {1000 * r.median_step_time:.1f} ms | {memory} | {100 * underflow:.2f}% |"
+            f"| {1000 * r.median_step_time:.1f} ms | {memory} "
+            f"| {100 * underflow:.4f}% | {100 * logit_underflow:.2f}% |"
         )
-    base = results[0].config
-    f16_no_scale = gradient_underflow(
-        dataclasses.replace(base, precision="mixed_float16"), ref_params, batch, 1.0,
-        vocab_size=dataset.vocab_size,
-    )
-    f16_scaled = gradient_underflow(
-        dataclasses.replace(base, precision="mixed_float16"), ref_params, batch, 2.0**15,
-        vocab_size=dataset.vocab_size,
-    )
+    f16 = dataclasses.replace(results[0].config, precision="mixed_float16")
+    kwargs = dict(vocab_size=dataset.vocab_size)
+    f16_param = [gradient_underflow(f16, ref_params, batch, s, **kwargs) for s in (1.0, 2.0**15)]
+    f16_logit = [
+        logit_gradient_underflow(f16, ref_params, batch, s, **kwargs) for s in (1.0, 2.0**15)
+    ]
     lines += [
         "",
-        f"unigram baseline: {results[0].unigram_loss:.4f} nats/char. grad underflow: nonzero "
-        "float32 gradient elements that are exactly zero under the config's policy and final "
-        f"loss scale, at the {(reference or results[0]).config.name} run's final params. float16 "
-        f"compute flushes {100 * f16_no_scale:.2f}% of them without loss scaling and "
-        f"{100 * f16_scaled:.2f}% with a loss scale of 2^15.",
+        f"unigram baseline: {results[0].unigram_loss:.4f} nats/char. Underflow: nonzero float32 "
+        "gradient elements that are exactly zero under the config's policy and final loss "
+        f"scale, at the {(reference or results[0]).config.name} run's final params, on one "
+        "validation batch. Float16 compute without loss scaling flushes "
+        f"{100 * f16_logit[0]:.2f}% of the logit gradients ({100 * f16_param[0]:.4f}% of the "
+        f"param gradients); with a loss scale of 2^15, {100 * f16_logit[1]:.2f}% "
+        f"({100 * f16_param[1]:.4f}%).",
         "",
         "samples (prompt 'The ', temperature 0.8, fixed seed):",
     ]
@@ -587,6 +638,11 @@ def compare(
     return results, table
 
 
+def _compare_order(name: str) -> tuple[int, str]:
+    preferred = list(COMPARE_ORDER)
+    return (preferred.index(name) if name in preferred else len(preferred), name)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -607,11 +663,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="train several configs (comma-separated names; default all) and compare them",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--mesh", metavar="NAME=SIZE,...", help="shard over devices, e.g. data=4,model=2"
+    )
     args = parser.parse_args(argv)
+    if args.mesh:
+        args.set.append(f"mesh={args.mesh}")
     progress = not args.no_progress
     try:
         if args.compare is not None:
-            names = config_lib.available() if args.compare == "all" else args.compare.split(",")
+            names = args.compare.split(",")
+            if args.compare == "all":
+                names = sorted(config_lib.available(), key=_compare_order)
             workdir = args.workdir or REPO_ROOT / "runs" / "compare"
             _, table = compare(names, workdir, args.set, progress=progress)
             print(table)
@@ -621,9 +684,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         workdir = pathlib.Path(args.workdir or REPO_ROOT / "runs" / config.name)
         if args.resume and (workdir / "config.yaml").exists():
             config = config_lib.load(str(workdir / "config.yaml"), args.set)
+        if config.mesh:
+            sharding.parse_mesh(config.mesh)
     except ValueError as e:
         parser.error(str(e))
-    result = train_and_evaluate(config, workdir, resume=args.resume, progress=progress)
+    try:
+        result = train_and_evaluate(config, workdir, resume=args.resume, progress=progress)
+    except KeyboardInterrupt:
+        sys.exit(130)
     print(
         f"{config.name}: final val loss {result.final_val_loss:.4f} nats/char "
         f"({data_lib.bits(result.final_val_loss):.3f} bits/char; unigram baseline "

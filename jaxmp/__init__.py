@@ -40,6 +40,7 @@ def __getattr__(name: str):
         return importlib.import_module(f"jaxmp.{name}")
     raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")
 
+
 __all__ = (
     "FLOAT32_OPS",
     "LOW_PRECISION_OPS",

@@ -20,7 +20,7 @@ from jaxmp._src import flax_common
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import state as state_lib
-from jaxmp._src.grad import as_loss_scale_object
+from jaxmp._src.grad import as_loss_scale_object, scaled_loss_fn
 
 __all__ = ("Optimizer", "set_policy", "value_and_grad")
 
@@ -136,24 +136,7 @@ def value_and_grad(
     def g(loss_scale: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         scale = as_loss_scale_object(loss_scale)
 
-        def scaled_fun(*args, **kwargs):
-            out = fun(*args, **kwargs)
-            if has_aux:
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(
-                        "`fun` must return a pair (loss, aux) when has_aux=True, got "
-                        f"{type(out).__name__}."
-                    )
-                loss = out[0]
-            else:
-                loss = out
-            if jnp.shape(loss) != ():
-                raise TypeError(
-                    f"`fun` must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
-                    "(for example with .mean()) before returning."
-                )
-            return scale.scale(loss), out
-
+        scaled_fun = scaled_loss_fn(fun, scale, has_aux)
         grad_fn = nnx.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
         (_, value), grads = grad_fn(*args, **kwargs)
         return value, grads

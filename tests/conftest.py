@@ -13,18 +13,18 @@ TOLERANCE = {F32: 1e-6, BF16: 1e-2, F16: 1e-3}
 
 
 def assert_close(actual, expected, dtype):
-  """Compares values with the tolerance of `dtype` from the central table."""
-  tol = TOLERANCE[jnp.dtype(dtype)]
-  np.testing.assert_allclose(
-      np.asarray(actual, np.float64), np.asarray(expected, np.float64), rtol=tol, atol=tol
-  )
+    """Compares values with the tolerance of `dtype` from the central table."""
+    tol = TOLERANCE[jnp.dtype(dtype)]
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float64), np.asarray(expected, np.float64), rtol=tol, atol=tol
+    )
 
 
 @pytest.fixture(params=FLOAT_DTYPES, ids=lambda d: d.name)
 def float_dtype(request):
-  return request.param
+    return request.param
 
 
 @pytest.fixture(params=HALF_DTYPES, ids=lambda d: d.name)
 def half_dtype(request):
-  return request.param
+    return request.param

@@ -29,7 +29,8 @@ class Config:
 
     `loss_scale` ``"auto"`` lets `jaxmp.mixed_precision` choose (dynamic scaling starting at
     ``2**15`` for float16 compute, none otherwise); the other kinds build the loss scale from
-    the ``loss_scale_*`` fields. ``mesh`` is reserved for sharded runs; ``""`` means one device.
+    the ``loss_scale_*`` fields. ``mesh`` shards the run over devices
+    (``"data=4,model=2"``, see ``examples/sharding.py``); ``""`` means one device.
     """
 
     name: str = "run"
@@ -125,6 +126,18 @@ class Config:
                 f"config keys `loss_scale_min` ({self.loss_scale_min}) and `loss_scale_max` "
                 f"({self.loss_scale_max}) must satisfy min <= max."
             )
+        if self.loss_scale_init > self.loss_scale_max:
+            raise ValueError(
+                f"config key `loss_scale_init` ({self.loss_scale_init}) must be <= "
+                f"`loss_scale_max` ({self.loss_scale_max})."
+            )
+        try:
+            self.make_loss_scale()
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"config keys `loss_scale_init`, `loss_scale_period`, `loss_scale_factor`, "
+                f"`loss_scale_min`, `loss_scale_max` (loss_scale={self.loss_scale!r}): {e}"
+            ) from None
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"config key `d_model` ({self.d_model}) must be divisible by `num_heads` "
@@ -134,10 +147,22 @@ class Config:
             raise ValueError(
                 f"config key `val_fraction` must be in (0, 1), got {self.val_fraction!r}."
             )
-        if self.mesh:
-            raise ValueError(
-                f"config key `mesh` must be '' (single device) for now, got {self.mesh!r}."
+
+    def make_loss_scale(self) -> jaxmp.LossScale | None:
+        """The configured loss scale; None for "auto" (`jaxmp.mixed_precision` chooses)."""
+        if self.loss_scale == "none":
+            return jaxmp.NoOpLossScale()
+        if self.loss_scale == "static":
+            return jaxmp.StaticLossScale(self.loss_scale_init)
+        if self.loss_scale == "dynamic":
+            return jaxmp.DynamicLossScale(
+                self.loss_scale_init,
+                period=self.loss_scale_period,
+                factor=self.loss_scale_factor,
+                min_loss_scale=self.loss_scale_min,
+                max_loss_scale=self.loss_scale_max,
             )
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -85,9 +85,9 @@ class TransformerLM(nn.Module):
         x = embed(tokens) + pos(jnp.arange(length))[None]
         mask = nn.make_causal_mask(jnp.ones((1, length), jnp.int32))
         for i in range(self.num_layers):
-            x = Block(self.num_heads, self.mlp_ratio, self.dtype, self.param_dtype, name=f"block_{i}")(
-                x, mask
-            )
+            x = Block(
+                self.num_heads, self.mlp_ratio, self.dtype, self.param_dtype, name=f"block_{i}"
+            )(x, mask)
         x = nn.LayerNorm(dtype=jnp.float32, param_dtype=self.param_dtype, name="ln_final")(x)
         logits = nn.Dense(
             self.vocab_size, dtype=self.dtype, param_dtype=self.param_dtype, name="head"

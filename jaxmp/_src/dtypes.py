@@ -24,85 +24,85 @@ FLOAT32: np.dtype = jnp.dtype(jnp.float32)
 
 
 def valid_dtype_names() -> str:
-  """Returns the accepted dtype names, for error messages."""
-  return ", ".join(repr(n) for n in (*_NAME_TO_DTYPE, "half"))
+    """Returns the accepted dtype names, for error messages."""
+    return ", ".join(repr(n) for n in (*_NAME_TO_DTYPE, "half"))
 
 
 def half_dtype() -> np.dtype:
-  """Returns the half-precision dtype for the default backend.
+    """Returns the half-precision dtype for the default backend.
 
-  bfloat16 on TPU, float16 everywhere else (jmp's rule).
+    bfloat16 on TPU, float16 everywhere else (jmp's rule).
 
-  Example:
-    >>> import jaxmp
-    >>> jaxmp.half_dtype()  # on CPU and GPU
-    dtype('float16')
-  """
-  platform = jax.local_devices()[0].platform
-  return jnp.dtype(jnp.bfloat16 if platform == "tpu" else jnp.float16)
+    Example:
+      >>> import jaxmp
+      >>> jaxmp.half_dtype()  # on CPU and GPU
+      dtype('float16')
+    """
+    platform = jax.local_devices()[0].platform
+    return jnp.dtype(jnp.bfloat16 if platform == "tpu" else jnp.float16)
 
 
 def canonical_name(dtype: np.dtype) -> str:
-  """Returns the short name (`f16`, `bf16`, `f32`, `f64`) of a supported dtype."""
-  return _DTYPE_NAMES[jnp.dtype(dtype)][0]
+    """Returns the short name (`f16`, `bf16`, `f32`, `f64`) of a supported dtype."""
+    return _DTYPE_NAMES[jnp.dtype(dtype)][0]
 
 
 def parse_dtype(value: str, *, arg: str = "dtype") -> np.dtype:
-  """Parses a dtype name such as ``"bf16"``, ``"float32"`` or ``"half"``.
+    """Parses a dtype name such as ``"bf16"``, ``"float32"`` or ``"half"``.
 
-  Case and surrounding spaces are ignored.
+    Case and surrounding spaces are ignored.
 
-  Raises:
-    ValueError: naming `arg`, the bad token and the valid names.
-  """
-  if not isinstance(value, str):
-    raise TypeError(f"`{arg}` must be a dtype name string, got {value!r}.")
-  token = value.strip().lower()
-  if token == "half":
-    return half_dtype()
-  try:
-    return _NAME_TO_DTYPE[token]
-  except KeyError:
-    raise ValueError(
-        f"`{arg}` got unknown dtype {value!r}; valid names are {valid_dtype_names()}."
-    ) from None
+    Raises:
+      ValueError: naming `arg`, the bad token and the valid names.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"`{arg}` must be a dtype name string, got {value!r}.")
+    token = value.strip().lower()
+    if token == "half":
+        return half_dtype()
+    try:
+        return _NAME_TO_DTYPE[token]
+    except KeyError:
+        raise ValueError(
+            f"`{arg}` got unknown dtype {value!r}; valid names are {valid_dtype_names()}."
+        ) from None
 
 
 def as_float_dtype(value: object, *, arg: str) -> np.dtype:
-  """Normalises a dtype-like (name, numpy/jax dtype or scalar type) once.
+    """Normalises a dtype-like (name, numpy/jax dtype or scalar type) once.
 
-  Raises:
-    TypeError / ValueError: naming `arg` when `value` is not one of the supported
-      floating-point dtypes (float16, bfloat16, float32, float64).
-  """
-  if isinstance(value, str):
-    return parse_dtype(value, arg=arg)
-  try:
-    dtype = jnp.dtype(value)  # type: ignore[call-overload]
-  except TypeError:
-    raise TypeError(
-        f"`{arg}` must be a floating-point dtype, got {value!r}; valid choices are "
-        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)} or one of {valid_dtype_names()}."
-    ) from None
-  if dtype not in _DTYPE_NAMES:
-    raise ValueError(
-        f"`{arg}` must be a floating-point dtype, got {dtype}; valid choices are "
-        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}."
-    )
-  return dtype
+    Raises:
+      TypeError / ValueError: naming `arg` when `value` is not one of the supported
+        floating-point dtypes (float16, bfloat16, float32, float64).
+    """
+    if isinstance(value, str):
+        return parse_dtype(value, arg=arg)
+    try:
+        dtype = jnp.dtype(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"`{arg}` must be a floating-point dtype, got {value!r}; valid choices are "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)} or one of {valid_dtype_names()}."
+        ) from None
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(
+            f"`{arg}` must be a floating-point dtype, got {dtype}; valid choices are "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}."
+        )
+    return dtype
 
 
 def is_floating(x: object) -> bool:
-  """Whether `x` is an array (or array spec) with a real floating-point dtype."""
-  dtype = getattr(x, "dtype", None)
-  if dtype is None or not hasattr(x, "shape"):
-    return False
-  try:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-  except TypeError:  # extended dtypes such as PRNG keys
-    return False
+    """Whether `x` is an array (or array spec) with a real floating-point dtype."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not hasattr(x, "shape"):
+        return False
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:  # extended dtypes such as PRNG keys
+        return False
 
 
 def compute_dtype_of(x: object) -> np.dtype:
-  """The dtype jaxmp computes in for leaf `x`: float32, or wider if `x` is wider."""
-  return jnp.promote_types(jnp.dtype(x.dtype), FLOAT32)  # type: ignore[attr-defined]
+    """The dtype jaxmp computes in for leaf `x`: float32, or wider if `x` is wider."""
+    return jnp.promote_types(jnp.dtype(x.dtype), FLOAT32)  # type: ignore[attr-defined]

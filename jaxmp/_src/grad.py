@@ -12,71 +12,78 @@ from jaxmp._src import loss_scale as loss_scale_lib
 
 
 def as_loss_scale_object(loss_scale: Any) -> loss_scale_lib.LossScale:
-  """A `LossScale`, jmp loss scale, or a scalar float (as a static scale)."""
-  if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-    return loss_scale_lib.StaticLossScale(float(loss_scale))
-  if hasattr(loss_scale, "dtype") and jnp.shape(loss_scale) == ():
-    return loss_scale_lib.StaticLossScale(loss_scale)
-  return loss_scale_lib.as_loss_scale(loss_scale)
+    """A `LossScale`, jmp loss scale, or a scalar float (as a static scale)."""
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        return loss_scale_lib.StaticLossScale(float(loss_scale))
+    if hasattr(loss_scale, "dtype") and jnp.shape(loss_scale) == ():
+        return loss_scale_lib.StaticLossScale(loss_scale)
+    return loss_scale_lib.as_loss_scale(loss_scale)
+
+
+def scaled_loss_fn(
+    fun: Callable[..., Any], scale: loss_scale_lib.LossScale, has_aux: bool
+) -> Callable[..., tuple[jax.Array, Any]]:
+    """Wraps a loss function to return ``(scale.scale(loss), fun's own output)``.
+
+    Raises a TypeError at trace time, naming `fun`, when the loss is not a
+    scalar or `has_aux` is set and `fun` does not return a pair.
+    """
+
+    def scaled(*args, **kwargs):
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    "`fun` must return a pair (loss, aux) when has_aux=True, got "
+                    f"{type(out).__name__}."
+                )
+            loss = out[0]
+        else:
+            loss = out
+        if jnp.shape(loss) != ():
+            raise TypeError(
+                f"`fun` must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
+                "(for example with .mean()) before returning."
+            )
+        return scale.scale(loss), out
+
+    return scaled
 
 
 def value_and_grad(
     fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any]]:
-  """Like `jax.value_and_grad`, differentiating the loss multiplied by a loss scale.
+    """Like `jax.value_and_grad`, differentiating the loss multiplied by a loss scale.
 
-  Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)``: `value` is
-  `fun`'s own output (the unscaled loss, or ``(loss, aux)`` with `has_aux`),
-  `grads` are the gradients of ``loss_scale.scale(loss)`` (computed in float32),
-  ready for the update of `jaxmp.loss_scaling` or `jaxmp.mixed_precision`,
-  which unscales them.
+    Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)``: `value` is
+    `fun`'s own output (the unscaled loss, or ``(loss, aux)`` with `has_aux`),
+    `grads` are the gradients of ``loss_scale.scale(loss)`` (computed in float32),
+    ready for the update of `jaxmp.loss_scaling` or `jaxmp.mixed_precision`,
+    which unscales them.
 
-  Args:
-    fun: the loss function; returns a scalar (or ``(scalar, aux)``).
-    argnums: which positional argument(s) of `fun` to differentiate.
-    has_aux: whether `fun` returns ``(loss, aux)``.
+    Args:
+      fun: the loss function; returns a scalar (or ``(scalar, aux)``).
+      argnums: which positional argument(s) of `fun` to differentiate.
+      has_aux: whether `fun` returns ``(loss, aux)``.
 
-  Returns:
-    The function ``g``; `loss_scale` is a `LossScale` (as returned by
-    `jaxmp.get_loss_scale`) or a scalar.
+    Returns:
+      The function ``g``; `loss_scale` is a `LossScale` (as returned by
+      `jaxmp.get_loss_scale`) or a scalar.
 
-  Example:
-    >>> import jax.numpy as jnp, jaxmp
-    >>> loss_fn = lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32)
-    >>> loss, grads = jaxmp.value_and_grad(loss_fn)(jaxmp.StaticLossScale(1024.0), jnp.ones(2))
-    >>> loss, grads
-    (Array(2., dtype=float32), Array([2048., 2048.], dtype=float32))
-  """
-  if not callable(fun):
-    raise TypeError(f"`fun` must be callable, got {fun!r}.")
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> loss_fn = lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32)
+      >>> loss, grads = jaxmp.value_and_grad(loss_fn)(jaxmp.StaticLossScale(1024.0), jnp.ones(2))
+      >>> loss, grads
+      (Array(2., dtype=float32), Array([2048., 2048.], dtype=float32))
+    """
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {fun!r}.")
 
-  def scaled_fun(scale, *args, **kwargs):
-    out = fun(*args, **kwargs)
-    if has_aux:
-      if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-            "`fun` must return a pair (loss, aux) when has_aux=True, got "
-            f"{type(out).__name__}."
-        )
-      loss, _ = out
-    else:
-      loss = out
-    if jnp.shape(loss) != ():
-      raise TypeError(
-          f"`fun` must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
-          "(for example with .mean()) before returning."
-      )
-    return scale.scale(loss), out
+    def g(loss_scale, *args, **kwargs):
+        scaled = scaled_loss_fn(fun, as_loss_scale_object(loss_scale), has_aux)
+        grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
+        (_, value), grads = grad_fn(*args, **kwargs)
+        return value, grads
 
-  if isinstance(argnums, int):
-    shifted: int | tuple[int, ...] = argnums + 1
-  else:
-    shifted = tuple(a + 1 for a in argnums)
-  grad_fn = jax.value_and_grad(scaled_fun, argnums=shifted, has_aux=True)
-
-  def g(loss_scale, *args, **kwargs):
-    scale = as_loss_scale_object(loss_scale)
-    (_, value), grads = grad_fn(scale, *args, **kwargs)
-    return value, grads
-
-  return g
+    return g

@@ -11,100 +11,102 @@ from jaxmp._src.loss_scaling import LossScalingState
 
 
 def _unwrap(opt_state: Any) -> Any:
-  # Train states (flax.training.train_state.TrainState) and NNX optimizers keep
-  # the optax state in `.opt_state`; NNX wraps it in Variables with `.value`.
-  if not isinstance(opt_state, tuple) and hasattr(opt_state, "opt_state"):
-    opt_state = opt_state.opt_state
-  return opt_state
+    # Train states (flax.training.train_state.TrainState) and NNX optimizers keep
+    # the optax state in `.opt_state`; NNX wraps it in Variables with `.value`.
+    if not isinstance(opt_state, tuple) and hasattr(opt_state, "opt_state"):
+        opt_state = opt_state.opt_state
+    return opt_state
 
 
 def _is_variable(x: Any) -> bool:
-  return type(x).__module__.startswith("flax.nnx") and hasattr(x, "get_value")
+    return type(x).__module__.startswith("flax.nnx") and hasattr(x, "get_value")
 
 
 def find_loss_scaling_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
-  """Returns every `LossScalingState` in `opt_state` with its tree path."""
-  leaves = jax.tree_util.tree_flatten_with_path(
-      _unwrap(opt_state), is_leaf=lambda x: isinstance(x, LossScalingState)
-  )[0]
-  return [
-      (jax.tree_util.keystr(path), _strip_variables(leaf))
-      for path, leaf in leaves
-      if isinstance(leaf, LossScalingState)
-  ]
+    """Returns every `LossScalingState` in `opt_state` with its tree path."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        _unwrap(opt_state), is_leaf=lambda x: isinstance(x, LossScalingState)
+    )[0]
+    return [
+        (jax.tree_util.keystr(path), _strip_variables(leaf))
+        for path, leaf in leaves
+        if isinstance(leaf, LossScalingState)
+    ]
 
 
 def _strip_variables(tree: Any) -> Any:
-  """Replaces NNX Variables (which `nnx.Optimizer` wraps state leaves in) by their values."""
-  return jax.tree.map(lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable)
+    """Replaces NNX Variables (which `nnx.Optimizer` wraps state leaves in) by their values."""
+    return jax.tree.map(
+        lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable
+    )
 
 
 def loss_scaling_state(opt_state: Any) -> LossScalingState:
-  """Returns the one `LossScalingState` inside `opt_state`.
+    """Returns the one `LossScalingState` inside `opt_state`.
 
-  Raises:
-    ValueError: if there is none (wrap the optimizer with `jaxmp.loss_scaling`
-      or `jaxmp.mixed_precision`) or more than one.
-  """
-  found = find_loss_scaling_states(opt_state)
-  if not found:
-    raise ValueError(
-        f"`opt_state` holds no jaxmp loss-scaling state (got {type(opt_state).__name__}); "
-        "wrap the optimizer with `jaxmp.loss_scaling(tx)` or `jaxmp.mixed_precision(tx, "
-        "policy)` and pass the state it initialises."
-    )
-  if len(found) > 1:
-    raise ValueError(
-        "`opt_state` holds more than one jaxmp loss-scaling state, at "
-        f"{', '.join(path or '<root>' for path, _ in found)}; wrap the optimizer once."
-    )
-  return found[0][1]
+    Raises:
+      ValueError: if there is none (wrap the optimizer with `jaxmp.loss_scaling`
+        or `jaxmp.mixed_precision`) or more than one.
+    """
+    found = find_loss_scaling_states(opt_state)
+    if not found:
+        raise ValueError(
+            f"`opt_state` holds no jaxmp loss-scaling state (got {type(opt_state).__name__}); "
+            "wrap the optimizer with `jaxmp.loss_scaling(tx)` or `jaxmp.mixed_precision(tx, "
+            "policy)` and pass the state it initialises."
+        )
+    if len(found) > 1:
+        raise ValueError(
+            "`opt_state` holds more than one jaxmp loss-scaling state, at "
+            f"{', '.join(path or '<root>' for path, _ in found)}; wrap the optimizer once."
+        )
+    return found[0][1]
 
 
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
-  """Returns the current loss scale from anywhere inside an optimizer state.
+    """Returns the current loss scale from anywhere inside an optimizer state.
 
-  Works on the state of `loss_scaling` / `mixed_precision` nested in optax
-  chains, `named_chain`, `MultiSteps`, `inject_hyperparams` and the like, and
-  on objects holding it in an ``opt_state`` attribute (Flax train states,
-  NNX optimizers).
+    Works on the state of `loss_scaling` / `mixed_precision` nested in optax
+    chains, `named_chain`, `MultiSteps`, `inject_hyperparams` and the like, and
+    on objects holding it in an ``opt_state`` attribute (Flax train states,
+    NNX optimizers).
 
-  Args:
-    opt_state: an optimizer state, or an object with an ``opt_state``.
+    Args:
+      opt_state: an optimizer state, or an object with an ``opt_state``.
 
-  Returns:
-    The `LossScale` to scale the next loss with (its ``.loss_scale`` is the
-    value as an array).
+    Returns:
+      The `LossScale` to scale the next loss with (its ``.loss_scale`` is the
+      value as an array).
 
-  Raises:
-    ValueError: if the state holds no loss-scaling state (it says to wrap the
-      optimizer with `jaxmp.loss_scaling`), or several.
+    Raises:
+      ValueError: if the state holds no loss-scaling state (it says to wrap the
+        optimizer with `jaxmp.loss_scaling`), or several.
 
-  Example:
-    >>> import jax.numpy as jnp, optax, jaxmp
-    >>> tx = optax.chain(optax.clip(1.0), jaxmp.loss_scaling(optax.sgd(0.1)))
-    >>> jaxmp.get_loss_scale(tx.init({"w": jnp.ones(2)})).loss_scale
-    Array(32768., dtype=float32)
-  """
-  return loss_scaling_state(opt_state).loss_scale
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = optax.chain(optax.clip(1.0), jaxmp.loss_scaling(optax.sgd(0.1)))
+      >>> jaxmp.get_loss_scale(tx.init({"w": jnp.ones(2)})).loss_scale
+      Array(32768., dtype=float32)
+    """
+    return loss_scaling_state(opt_state).loss_scale
 
 
 def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
-  """Returns the loss-scaling metrics for logging, as a dict of scalar arrays.
+    """Returns the loss-scaling metrics for logging, as a dict of scalar arrays.
 
-  Keys: ``loss_scale`` (float32), ``grads_finite`` (bool, the last step's),
-  ``skipped_steps`` and ``consecutive_skipped_steps`` (int32).
+    Keys: ``loss_scale`` (float32), ``grads_finite`` (bool, the last step's),
+    ``skipped_steps`` and ``consecutive_skipped_steps`` (int32).
 
-  Example:
-    >>> import jax.numpy as jnp, optax, jaxmp
-    >>> state = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-    >>> sorted(jaxmp.loss_scale_metrics(state))
-    ['consecutive_skipped_steps', 'grads_finite', 'loss_scale', 'skipped_steps']
-  """
-  state = loss_scaling_state(opt_state)
-  return {
-      "loss_scale": jax.numpy.asarray(state.loss_scale.loss_scale).astype(jax.numpy.float32),
-      "grads_finite": state.grads_finite,
-      "skipped_steps": state.skipped_steps,
-      "consecutive_skipped_steps": state.consecutive_skipped_steps,
-  }
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> state = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> sorted(jaxmp.loss_scale_metrics(state))
+      ['consecutive_skipped_steps', 'grads_finite', 'loss_scale', 'skipped_steps']
+    """
+    state = loss_scaling_state(opt_state)
+    return {
+        "loss_scale": jax.numpy.asarray(state.loss_scale.loss_scale).astype(jax.numpy.float32),
+        "grads_finite": state.grads_finite,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skipped_steps": state.consecutive_skipped_steps,
+    }
