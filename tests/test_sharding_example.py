@@ -179,8 +179,6 @@ def _final_val_loss(stdout: str) -> float:
 @pytest.mark.slow
 def test_train_example_on_a_mesh_matches_one_device(tmp_path):
     train_py = EXAMPLES / "train.py"
-    if "--mesh" not in train_py.read_text():
-        pytest.skip("examples/train.py has no --mesh option (see examples/sharding.py)")
     common = [
         sys.executable,
         str(train_py),
