@@ -13,8 +13,13 @@ import jaxmp
 from tests.conftest import BF16, F16, F32
 
 
+@jax.jit
+def _jitted_adjust(ls, finite):
+    return ls.adjust(finite)
+
+
 def _adjust(ls, finite):
-    return jax.jit(lambda ls_, f: ls_.adjust(f))(ls, jnp.asarray(finite))
+    return _jitted_adjust(ls, jnp.asarray(finite))
 
 
 def reference_rule(
