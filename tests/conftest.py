@@ -1,8 +1,9 @@
-"""Shared test configuration: dtype lists and the one tolerance table."""
+"""Shared test configuration: dtype lists, the one tolerance table, jaxpr walkers."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 HALF_DTYPES = (F16, BF16)
@@ -28,3 +29,22 @@ def float_dtype(request):
 @pytest.fixture(params=HALF_DTYPES, ids=lambda d: d.name)
 def half_dtype(request):
     return request.param
+
+
+def all_eqns(jaxpr):
+    """Every equation of `jaxpr` and of its sub-jaxprs, depth first."""
+    if isinstance(jaxpr, jcore.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
+
+
+def primitive_dtypes(jaxpr, names):
+    """``(name, output dtype)`` of every equation whose primitive is in `names`, recursively."""
+    return [
+        (eqn.primitive.name, eqn.outvars[0].aval.dtype)
+        for eqn in all_eqns(jaxpr)
+        if eqn.primitive.name in names
+    ]

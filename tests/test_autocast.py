@@ -21,23 +21,13 @@ from jaxmp._src.autocast import (
     autocast_jaxpr,
     float32_region,
 )
-from tests.conftest import BF16, F16, F32, HALF_DTYPES, TOLERANCE
+from tests.conftest import BF16, F16, F32, HALF_DTYPES, TOLERANCE, all_eqns
 
 POLICIES = {F16: "mixed_float16", BF16: "mixed_bfloat16"}
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers.
-
-
-def all_eqns(jaxpr):
-    """Every equation of `jaxpr` and of its sub-jaxprs, depth first."""
-    if isinstance(jaxpr, jcore.ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from all_eqns(sub)
 
 
 def eqns_named(jaxpr, name):

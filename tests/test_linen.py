@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -16,7 +15,7 @@ from sklearn.datasets import load_digits
 import jaxmp
 import jaxmp.linen
 
-from .conftest import F16, F32
+from .conftest import F16, F32, primitive_dtypes
 
 STEPS = 300
 BATCH = 64
@@ -155,17 +154,6 @@ def test_trained_state_dtypes_and_loss_scale(trained, name):
         assert isinstance(state.loss_scale, jaxmp.NoOpLossScale) and skipped == 0
 
 
-def _primitive_dtypes(jaxpr, names):
-    """The output dtypes of every equation whose primitive is in `names` (recursively)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in names:
-            found.append((eqn.primitive.name, eqn.outvars[0].aval.dtype))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _primitive_dtypes(sub, names)
-    return found
-
-
 @pytest.mark.parametrize(
     "overrides",
     [NORM_OVERRIDES, {r".*/LayerNorm_\d+": "float32", r".*/BatchNorm_\d+": "float32"}],
@@ -197,10 +185,10 @@ def test_policy_scope_dtypes_inside_the_model(overrides):
     assert logits.dtype == F32  # the policy's output dtype
     assert {leaf.dtype for leaf in jax.tree.leaves(state["batch_stats"])} == {F32}
     jaxpr = jax.make_jaxpr(apply)(variables, x).jaxpr
-    matmuls = _primitive_dtypes(jaxpr, {"dot_general", "conv_general_dilated"})
+    matmuls = primitive_dtypes(jaxpr, {"dot_general", "conv_general_dilated"})
     assert len(matmuls) == 4 and {dtype for _, dtype in matmuls} == {F16}, matmuls
     # Normalisation statistics (BatchNorm and LayerNorm means and variances).
-    reductions = _primitive_dtypes(jaxpr, {"reduce_sum"})
+    reductions = primitive_dtypes(jaxpr, {"reduce_sum"})
     assert len(reductions) >= 4 and {dtype for _, dtype in reductions} == {F32}, reductions
 
 
@@ -379,7 +367,7 @@ def test_policy_scope_reaches_into_lifted_transforms():
             return model.apply(variables, x)
 
     jaxpr = jax.make_jaxpr(apply)(variables, x).jaxpr
-    matmuls = _primitive_dtypes(jaxpr, {"dot_general"})
+    matmuls = primitive_dtypes(jaxpr, {"dot_general"})
     assert len(matmuls) == 4 and {dtype for _, dtype in matmuls} == {F16}, matmuls
     assert apply(variables, x).dtype == F32
 

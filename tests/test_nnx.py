@@ -1,7 +1,6 @@
 """jaxmp.nnx: set_policy, value_and_grad and Optimizer, trained on scikit-learn's 8x8 digits."""
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -12,7 +11,7 @@ from sklearn.datasets import load_digits
 import jaxmp
 import jaxmp.nnx
 
-from .conftest import F16, F32, assert_close
+from .conftest import F16, F32, assert_close, primitive_dtypes
 
 STEPS = 300
 BATCH = 64
@@ -122,17 +121,6 @@ def test_trained_model_dtypes_and_loss_scale(trained, name):
         assert isinstance(loss_scale, jaxmp.NoOpLossScale) and skipped == 0
 
 
-def _primitive_dtypes(jaxpr, names):
-    """The output dtypes of every equation whose primitive is in `names` (recursively)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in names:
-            found.append((eqn.primitive.name, eqn.outvars[0].aval.dtype))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _primitive_dtypes(sub, names)
-    return found
-
-
 @pytest.mark.parametrize(
     ("policy", "overrides"),
     [
@@ -155,9 +143,9 @@ def test_set_policy_dtypes_inside_the_model(policy, overrides):
     graphdef, state = nnx.split(model)
     x = jnp.ones((2, 64))
     jaxpr = jax.make_jaxpr(lambda state, x: nnx.merge(graphdef, state)(x))(state, x).jaxpr
-    matmuls = _primitive_dtypes(jaxpr, {"dot_general"})
+    matmuls = primitive_dtypes(jaxpr, {"dot_general"})
     assert len(matmuls) == 2 and {dtype for _, dtype in matmuls} == {F16}, matmuls
-    reductions = _primitive_dtypes(jaxpr, {"reduce_sum"})
+    reductions = primitive_dtypes(jaxpr, {"reduce_sum"})
     assert len(reductions) >= 2 and {dtype for _, dtype in reductions} == {F32}, reductions
     assert model(x).dtype == F16  # the last layer's compute dtype; cast_to_output for o=f32
 
