@@ -277,3 +277,15 @@ def test_adjust_needs_scalar_bool():
 def test_static_loss_scale_bad_input():
     with pytest.raises(ValueError, match="`loss_scale` must be finite and > 0, got 0"):
         jaxmp.StaticLossScale(0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_scale_and_unscale_are_strict_promotion_clean(dtype):
+    x = jnp.full(2, 0.5, dtype)
+    with jax.numpy_dtype_promotion("strict"):
+        for ls in (jaxmp.StaticLossScale(8.0), jaxmp.DynamicLossScale(8.0), jaxmp.NoOpLossScale()):
+            scaled = jax.jit(ls.scale)(x)
+            unscaled = jax.jit(ls.unscale)(x)
+            assert unscaled.dtype == F32
+            np.testing.assert_array_equal(unscaled, 0.5 / float(ls.loss_scale))
+            np.testing.assert_array_equal(scaled, 0.5 * float(ls.loss_scale))

@@ -104,5 +104,8 @@ def is_floating(x: object) -> bool:
 
 
 def compute_dtype_of(x: object) -> np.dtype:
-    """The dtype jaxmp computes in for leaf `x`: float32, or wider if `x` is wider."""
-    return jnp.promote_types(jnp.dtype(x.dtype), FLOAT32)  # type: ignore[attr-defined]
+    """The dtype jaxmp computes in for floating leaf `x`: float32, or wider if `x` is wider."""
+    # Not `jnp.promote_types`: under `jax.numpy_dtype_promotion("strict")` it refuses
+    # float16 with float32.
+    dtype = jnp.dtype(x.dtype)  # type: ignore[attr-defined]
+    return dtype if dtype.itemsize >= FLOAT32.itemsize else FLOAT32
