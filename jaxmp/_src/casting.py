@@ -72,3 +72,19 @@ def cast_to_half(tree: T) -> T:
       dtype('float16')
     """
     return cast_tree(tree, dtypes.half_dtype())
+
+
+def widen_to_float32(tree: T) -> T:
+    """Casts floating-point leaves narrower than float32 to float32; wider ones stay.
+
+    jaxmp unscales and reduces gradients this way: float16 and bfloat16 would
+    flush or round away the small values, float64 needs no narrowing.
+    """
+
+    def widen(x):
+        if not dtypes.is_floating(x):
+            return x
+        dtype = dtypes.compute_dtype_of(x)
+        return x if jnp.dtype(x.dtype) == dtype else x.astype(dtype)
+
+    return jax.tree.map(widen, tree)

@@ -17,21 +17,13 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax.tree_util import keystr
 
-from jaxmp._src import dtypes
+from jaxmp._src import casting
 
 T = TypeVar("T")
-
-
-def _to_float32(x: Any) -> Any:
-    # Widen half-precision leaves only: float64 stays float64, integers stay integers.
-    if dtypes.is_floating(x) and jnp.dtype(x.dtype).itemsize < 4:
-        return x.astype(dtypes.FLOAT32)
-    return x
 
 
 def psum_in_float32(tree: T, axis_name: Any) -> T:
@@ -68,7 +60,7 @@ def psum_in_float32(tree: T, axis_name: Any) -> T:
         >>> f(jnp.ones(2, jnp.float16))
         Array([1., 1.], dtype=float32)
     """
-    return jax.lax.psum(jax.tree.map(_to_float32, tree), axis_name)
+    return jax.lax.psum(casting.widen_to_float32(tree), axis_name)
 
 
 def pmean_in_float32(tree: T, axis_name: Any) -> T:
@@ -94,7 +86,7 @@ def pmean_in_float32(tree: T, axis_name: Any) -> T:
         >>> f({"w": jnp.full(2, 3.0, jnp.bfloat16)})
         {'w': Array([3., 3.], dtype=float32)}
     """
-    return jax.lax.pmean(jax.tree.map(_to_float32, tree), axis_name)
+    return jax.lax.pmean(casting.widen_to_float32(tree), axis_name)
 
 
 def _named_sharding(path: Any, leaf: Any, sharding: Any) -> NamedSharding:

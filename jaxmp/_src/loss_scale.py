@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxmp._src import dtypes
+from jaxmp._src import casting, dtypes
 
 T = TypeVar("T")
 
@@ -152,9 +152,7 @@ class NoOpLossScale(LossScale):
         return tree
 
     def unscale(self, tree: T) -> T:
-        return jax.tree.map(
-            lambda x: x.astype(dtypes.compute_dtype_of(x)) if dtypes.is_floating(x) else x, tree
-        )
+        return casting.widen_to_float32(tree)
 
     def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
         del grads_finite
