@@ -100,3 +100,14 @@ def test_integer_leaves_pass_through():
     assert state.master["step"].dtype == jnp.int32
     updates, _ = tx.update({"w": jnp.ones(2, jnp.float16), "step": jnp.int32(0)}, state, params)
     assert updates["w"].dtype == F32
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.name)
+def test_update_is_strict_promotion_clean(dtype):
+    tx = jaxmp.master_weights(optax.sgd(0.5))
+    params = {"w": jnp.ones(2, dtype)}
+    state = tx.init(params)
+    with jax.numpy_dtype_promotion("strict"):
+        updates, state = jax.jit(tx.update)({"w": jnp.ones(2, dtype)}, state, params)
+    assert updates["w"].dtype == F32
+    np.testing.assert_array_equal(updates["w"], -0.5)

@@ -32,7 +32,8 @@ def _delta(new_master: jax.Array, param: jax.Array) -> jax.Array:
     # (always when the step changes the parameter by less than a factor of 2**12,
     # that is, in practice, always; see the docstring).
     target = new_master.astype(param.dtype)
-    wide = jnp.promote_types(param.dtype, new_master.dtype)
+    # By width, not `jnp.promote_types`, which strict dtype promotion refuses.
+    wide = max(jnp.dtype(param.dtype), jnp.dtype(new_master.dtype), key=lambda d: d.itemsize)
     return target.astype(wide) - param.astype(wide)
 
 
