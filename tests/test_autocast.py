@@ -838,3 +838,16 @@ def test_cost_close_to_explicit_dtype_model():
     )
     ratio = result["autocast"]["bytes_accessed"] / result["explicit"]["bytes_accessed"]
     assert ratio <= 1.15, result
+
+
+def test_runs_under_strict_dtype_promotion():
+    """autocast's own promotions do not depend on the caller's promotion mode."""
+
+    def f(w, x):
+        return jax.nn.softmax(x @ w).sum()
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    g = autocast(f, "mixed_float16")
+    with jax.numpy_dtype_promotion("strict"):
+        out = jax.jit(g)(w, x)
+    assert out.dtype == F32 and float(out) == 2.0

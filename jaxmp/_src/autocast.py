@@ -144,7 +144,10 @@ def _literal_value(var: Any) -> Any:
 
 
 def _promote(dtype_list: Iterable[Any]) -> np.dtype:
-    return functools.reduce(jnp.promote_types, dtype_list)
+    # The rules' own promotion, whatever `jax.numpy_dtype_promotion` the caller runs
+    # under (strict mode refuses float16 with float32).
+    with jax.numpy_dtype_promotion("standard"):
+        return functools.reduce(jnp.promote_types, dtype_list)
 
 
 def _bind(eqn: Any, vals: list[Any], params: dict[str, Any] | None = None) -> list[Any]:
