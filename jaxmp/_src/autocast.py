@@ -64,11 +64,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
-from jax.extend import core as jcore
-from jax.extend import source_info_util
 
-from jaxmp._src import autocast_rules, dtypes
+from jaxmp._src import autocast_rules, compat, dtypes
 from jaxmp._src import policy as policy_lib
 
 FLOAT32_OPS = autocast_rules.FLOAT32_OPS
@@ -82,23 +79,7 @@ _HIGHER_ORDER_RULES: dict[str, Callable[..., Any]] = {}
 
 def _known_primitive_names() -> frozenset[str]:
     """Names of the primitives JAX knows now (computed on use: later imports register more)."""
-    names = {
-        value.name
-        for value in vars(jcore.primitives).values()
-        if isinstance(value, jcore.Primitive)
-    }
-    for module in (lax, jax.lax.linalg):
-        for value in vars(module).values():
-            if isinstance(value, jcore.Primitive):
-                names.add(value.name)
-    try:  # every primitive with a lowering rule, including shard_map and Pallas once imported
-        from jax._src.interpreters import mlir
-
-        names.update(p.name for p in mlir._lowerings)
-        for rules in mlir._platform_specific_lowerings.values():
-            names.update(p.name for p in rules)
-    except (ImportError, AttributeError):  # pragma: no cover - internal layout changed
-        pass
+    names = compat.known_primitive_names()
     return frozenset(
         names
         | LOW_PRECISION_OPS
@@ -150,10 +131,7 @@ def _promote(dtype_list: Iterable[Any]) -> np.dtype:
         return functools.reduce(jnp.promote_types, dtype_list)
 
 
-def _bind(eqn: Any, vals: list[Any], params: dict[str, Any] | None = None) -> list[Any]:
-    params = eqn.params if params is None else params
-    out = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(params))
-    return list(out) if eqn.primitive.multiple_results else [out]
+_bind = compat.bind
 
 
 def _with_preferred_type(params: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
@@ -194,7 +172,7 @@ def _eval_jaxpr(
     cache: dict[Any, Any] = {}
 
     def read(var: Any) -> tuple[Any, bool]:
-        if isinstance(var, jcore.Literal):
+        if isinstance(var, compat.Literal):
             return _literal_value(var), True
         return env[var]
 
@@ -207,14 +185,11 @@ def _eval_jaxpr(
         read_in = [read(v) for v in eqn.invars]
         vals = [v for v, _ in read_in]
         flags = [f for _, f in read_in]
-        region = in_region or REGION_SCOPE in str(eqn.source_info.name_stack)
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        manager = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-            with manager:
-                outs, out_flags = _apply(eqn, vals, flags, ctx, region, cache)
+        region = in_region or REGION_SCOPE in compat.name_stack_of(eqn)
+        with compat.source_context(eqn):
+            outs, out_flags = _apply(eqn, vals, flags, ctx, region, cache)
         for var, value, is_weak in zip(eqn.outvars, outs, out_flags, strict=True):
-            if not isinstance(var, jcore.DropVar):
+            if not isinstance(var, compat.DropVar):
                 env[var] = (value, is_weak)
 
     results = [read(v) for v in jaxpr.outvars]
@@ -244,7 +219,7 @@ def _apply(
         return _convert_rule(eqn, vals, flags)
     if name in autocast_rules.AS_TRACED_OPS:
         return _as_traced(eqn, vals, cache), [False] * n_out
-    if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+    if compat.has_subjaxprs(eqn.params):
         raise NotImplementedError(
             f"jaxmp.autocast cannot re-interpret the primitive `{name}`: it is a "
             "higher-order primitive (its parameters hold sub-jaxprs) with no autocast rule. "
@@ -272,7 +247,7 @@ def _run_in(
     eqn: Any, vals: list[Any], dtype: np.dtype, cache: dict[Any, Any], *, higher_ok: bool
 ) -> list[Any]:
     """Casts the floating operands of `eqn` to `dtype` and binds it there."""
-    if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+    if compat.has_subjaxprs(eqn.params):
         if higher_ok:
             return _as_traced(eqn, vals, cache)
         raise NotImplementedError(
@@ -335,13 +310,14 @@ def _rule(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 @_rule("jit", "pjit")
 def _jit_rule(eqn, vals, flags, ctx):
     closed = eqn.params["jaxpr"]
+    sub, sub_consts = compat.jaxpr_and_consts(closed)
     key = (id(closed), tuple((x.shape, str(x.dtype)) for x in vals), tuple(flags))
     entry = ctx.jit_cache.get(key)
     if entry is None:
         holder: list[list[bool]] = []
 
         def inner(*args):
-            outs, out_flags = _eval_jaxpr(closed.jaxpr, closed.consts, args, flags, ctx)
+            outs, out_flags = _eval_jaxpr(sub, sub_consts, args, flags, ctx)
             holder[:] = [out_flags]
             return outs
 
@@ -360,22 +336,17 @@ def _jit_rule(eqn, vals, flags, ctx):
 
 @_rule("closed_call", "core_call", "call")
 def _call_rule(eqn, vals, flags, ctx):
-    call = eqn.params["call_jaxpr"]
-    if isinstance(call, jcore.ClosedJaxpr):
-        return _eval_jaxpr(call.jaxpr, call.consts, vals, flags, ctx)
-    return _eval_jaxpr(call, (), vals, flags, ctx)
+    sub, sub_consts = compat.jaxpr_and_consts(eqn.params["call_jaxpr"])
+    return _eval_jaxpr(sub, sub_consts, vals, flags, ctx)
 
 
 @_rule("remat2", "checkpoint", "remat")
 def _remat_rule(eqn, vals, flags, ctx):
-    jaxpr = eqn.params["jaxpr"]
+    sub, sub_consts = compat.jaxpr_and_consts(eqn.params["jaxpr"])
     holder: list[list[bool]] = []
 
     def inner(*args):
-        if isinstance(jaxpr, jcore.ClosedJaxpr):
-            outs, out_flags = _eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, args, flags, ctx)
-        else:
-            outs, out_flags = _eval_jaxpr(jaxpr, (), args, flags, ctx)
+        outs, out_flags = _eval_jaxpr(sub, sub_consts, args, flags, ctx)
         holder[:] = [out_flags]
         return outs
 
@@ -395,8 +366,8 @@ def _cast_carry(values: list[Any], carry_dtypes: list[Any]) -> list[Any]:
 @_rule("scan")
 def _scan_rule(eqn, vals, flags, ctx):
     params = eqn.params
-    closed = params["jaxpr"]
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    sub, sub_consts = compat.jaxpr_and_consts(params["jaxpr"])
+    n_consts, n_carry = compat.scan_counts(params)
     consts, init, xs = (
         vals[:n_consts],
         vals[n_consts : n_consts + n_carry],
@@ -408,9 +379,7 @@ def _scan_rule(eqn, vals, flags, ctx):
     holder: list[list[bool]] = []
 
     def body(carry, x):
-        outs, out_flags = _eval_jaxpr(
-            closed.jaxpr, closed.consts, [*consts, *carry, *x], in_flags, ctx
-        )
+        outs, out_flags = _eval_jaxpr(sub, sub_consts, [*consts, *carry, *x], in_flags, ctx)
         holder[:] = [out_flags[n_carry:]]
         return _cast_carry(outs[:n_carry], carry_dtypes), outs[n_carry:]
 
@@ -428,7 +397,8 @@ def _scan_rule(eqn, vals, flags, ctx):
 @_rule("while")
 def _while_rule(eqn, vals, flags, ctx):
     params = eqn.params
-    cond_closed, body_closed = params["cond_jaxpr"], params["body_jaxpr"]
+    cond_jaxpr, cond_sub_consts = compat.jaxpr_and_consts(params["cond_jaxpr"])
+    body_jaxpr, body_sub_consts = compat.jaxpr_and_consts(params["body_jaxpr"])
     n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
     cond_consts, body_consts = vals[:n_cond], vals[n_cond : n_cond + n_body]
     init = vals[n_cond + n_body :]
@@ -438,8 +408,8 @@ def _while_rule(eqn, vals, flags, ctx):
 
     def cond_fn(carry):
         outs, _ = _eval_jaxpr(
-            cond_closed.jaxpr,
-            cond_closed.consts,
+            cond_jaxpr,
+            cond_sub_consts,
             [*cond_consts, *carry],
             [*cond_flags, *init_flags],
             ctx,
@@ -448,8 +418,8 @@ def _while_rule(eqn, vals, flags, ctx):
 
     def body_fn(carry):
         outs, _ = _eval_jaxpr(
-            body_closed.jaxpr,
-            body_closed.consts,
+            body_jaxpr,
+            body_sub_consts,
             [*body_consts, *carry],
             [*body_flags, *init_flags],
             ctx,
@@ -468,8 +438,10 @@ def _cond_rule(eqn, vals, flags, ctx):
     out_flags: list[list[bool]] = []
 
     def make_branch(closed):
+        sub, sub_consts = compat.jaxpr_and_consts(closed)
+
         def branch(*args):
-            outs, branch_flags = _eval_jaxpr(closed.jaxpr, closed.consts, args, op_flags, ctx)
+            outs, branch_flags = _eval_jaxpr(sub, sub_consts, args, op_flags, ctx)
             out_flags.append(branch_flags)
             return outs
 
@@ -497,14 +469,13 @@ def _cond_rule(eqn, vals, flags, ctx):
 @_rule("custom_jvp_call")
 def _custom_jvp_rule(eqn, vals, flags, ctx):
     params = eqn.params
-    call = params["call_jaxpr"]
+    call, call_consts = compat.jaxpr_and_consts(params["call_jaxpr"])
     num_consts = params["num_consts"]
-    jvp_fun = params["jvp_jaxpr_fun"]
     symbolic_zeros = params["symbolic_zeros"]
     holder: list[list[bool]] = []
 
     def primal(*args):
-        outs, out_flags = _eval_jaxpr(call.jaxpr, call.consts, args, flags, ctx)
+        outs, out_flags = _eval_jaxpr(call, call_consts, args, flags, ctx)
         holder[:] = [out_flags]
         return outs
 
@@ -514,8 +485,8 @@ def _custom_jvp_rule(eqn, vals, flags, ctx):
 
     def jvp(primals, tangents):
         args, tans = list(primals[num_consts:]), list(tangents[num_consts:])
-        zeros = [type(t) is SymbolicZero for t in tans] if symbolic_zeros else [False] * len(tans)
-        jvp_jaxpr, jvp_consts, out_zeros = jvp_fun.call_wrapped(*zeros)
+        zeros = [compat.is_symbolic_zero(t) if symbolic_zeros else False for t in tans]
+        jvp_jaxpr, jvp_consts, out_zeros = compat.custom_jvp_rule_jaxpr(params, zeros)
         nonzero = [t for t, z in zip(tans, zeros, strict=True) if not z]
         arg_flags = list(flags[num_consts:]) + [False] * len(nonzero)
         outs, _ = _eval_jaxpr(jvp_jaxpr, jvp_consts, [*args, *nonzero], arg_flags, ctx)
@@ -548,7 +519,7 @@ def _custom_jvp_rule(eqn, vals, flags, ctx):
 
 
 def _op_names(ops: Any, *, arg: str) -> frozenset[str]:
-    if isinstance(ops, (str, jcore.Primitive)) or not isinstance(ops, Iterable):
+    if isinstance(ops, (str, compat.Primitive)) or not isinstance(ops, Iterable):
         raise TypeError(
             f"`{arg}` must be a collection of primitive names or `jax.extend.core.Primitive` "
             f"objects (for example `jaxmp.FLOAT32_OPS | {{'tanh'}}`), got {ops!r}."
@@ -556,7 +527,7 @@ def _op_names(ops: Any, *, arg: str) -> frozenset[str]:
     names = set()
     known = _known_primitive_names()
     for op in ops:
-        if isinstance(op, jcore.Primitive):
+        if isinstance(op, compat.Primitive):
             names.add(op.name)
         elif isinstance(op, str):
             if op not in known:
@@ -669,13 +640,13 @@ class Autocast:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec, dynamic = _split_args(args, kwargs)
-        if not any(isinstance(x, jax.core.Tracer) for x in dynamic) and _hashable(spec):
+        if not any(isinstance(x, compat.Tracer) for x in dynamic) and _hashable(spec):
             # Called outside any transformation: trace, re-interpret and compile once per
             # argument signature.
             return self._jitted(spec, *dynamic)
         return self._run(spec, *dynamic)
 
-    def jaxpr(self, *args: Any, **kwargs: Any) -> jcore.ClosedJaxpr:
+    def jaxpr(self, *args: Any, **kwargs: Any) -> compat.ClosedJaxpr:
         """Returns the jaxpr autocast produces for these arguments (see `autocast_jaxpr`)."""
         spec, dynamic = _split_args(args, kwargs)
         return jax.make_jaxpr(functools.partial(self._run, spec))(*dynamic)
@@ -708,8 +679,8 @@ def autocast(
     fun: Callable[..., Any],
     policy: policy_lib.Policy | str,
     *,
-    low_precision_ops: Iterable[str | jcore.Primitive] | None = None,
-    float32_ops: Iterable[str | jcore.Primitive] | None = None,
+    low_precision_ops: Iterable[str | compat.Primitive] | None = None,
+    float32_ops: Iterable[str | compat.Primitive] | None = None,
 ) -> Autocast:
     """Runs an unmodified function with op-level mixed precision (like ``torch.autocast``).
 
@@ -777,7 +748,7 @@ def autocast_jaxpr(
     fun: Callable[..., Any],
     policy: policy_lib.Policy | str,
     **kwargs: Any,
-) -> Callable[..., jcore.ClosedJaxpr]:
+) -> Callable[..., compat.ClosedJaxpr]:
     """Returns a function that gives the jaxpr `autocast` produces, to inspect dtypes.
 
     Args:

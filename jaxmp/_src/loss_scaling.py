@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.extend.core import Literal
 
-from jaxmp._src import casting, dtypes
+from jaxmp._src import casting, compat, dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import tree as tree_lib
 
@@ -60,7 +58,7 @@ def _zero_unless(finite: jax.Array, updates: Any) -> Any:
 
 
 def _is_traced(tree: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+    return any(compat.is_tracer(x) for x in jax.tree.leaves(tree))
 
 
 def _guarded_update(
@@ -128,13 +126,13 @@ def _update_selecting_at_source(
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     old_of: dict[Any, Any] = {}  # new state var -> old value; None: select at the end
     for var, old in zip(state_vars, s_leaves, strict=True):
-        if not isinstance(var, Literal) and var not in inputs:
+        if not isinstance(var, compat.Literal) and var not in inputs:
             old_of[var] = None if var in old_of else old
 
     env: dict[Any, Any] = {}
 
     def read(var):
-        return var.val if isinstance(var, Literal) else env[var]
+        return var.val if isinstance(var, compat.Literal) else env[var]
 
     def write(var, value):
         old = old_of.get(var)
@@ -145,24 +143,16 @@ def _update_selecting_at_source(
     for var, value in zip(jaxpr.invars, g_leaves + s_leaves, strict=True):
         env[var] = value
     for eqn in jaxpr.eqns:
-        bind_params = eqn.primitive.get_bind_params(eqn.params)
-        subfuns: Any = ()
-        if isinstance(bind_params, tuple):  # jax < 0.7: (subfuns, params)
-            subfuns, bind_params = bind_params
-        ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-        with ctx:
-            out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
-        if eqn.primitive.multiple_results:
-            for var, value in zip(eqn.outvars, out, strict=True):
-                write(var, value)
-        else:
-            write(eqn.outvars[0], out)
+        with compat.eqn_context(eqn):
+            out = compat.bind(eqn, [read(v) for v in eqn.invars])
+        for var, value in zip(eqn.outvars, out, strict=True):
+            write(var, value)
 
     outs = [read(var) for var in jaxpr.outvars]
     new_updates = jax.tree.unflatten(jax.tree.structure(u_shape), outs[:n_updates])
     new_state = []
     for var, value, old in zip(state_vars, outs[n_updates:], s_leaves, strict=True):
-        done = not isinstance(var, Literal) and old_of.get(var) is not None
+        done = not isinstance(var, compat.Literal) and old_of.get(var) is not None
         new_state.append(value if done else jax.lax.select(finite, jnp.asarray(value), old))
     return (
         _zero_unless(finite, new_updates),
