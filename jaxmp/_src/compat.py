@@ -10,7 +10,7 @@ releases. Every such use goes through this module; nothing else in jaxmp imports
 one exists on the installed JAX and names the one that is missing, so a new JAX release breaks
 one clear test instead of autocast at a user's site.
 
-Supported range: jax 0.7.2 (the floor tested in CI) to jax 0.12 (the newest tested).
+Supported range: jax 0.7.2 (the floor, tested in CI) to jax 0.12 (the newest, tested in CI).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.custom_derivatives import SymbolicZero
-from jax.extend import core as jcore
 from jax.extend import source_info_util
 
 __all__ = [
@@ -47,50 +45,79 @@ __all__ = [
     "name_stack_of",
     "missing_internal_names",
     "primitives_in",
+    "resolve",
     "scan_counts",
     "source_context",
 ]
 
-ClosedJaxpr = jcore.ClosedJaxpr
-DropVar = jcore.DropVar
-Jaxpr = jcore.Jaxpr
-Literal = jcore.Literal
-Primitive = jcore.Primitive
-Tracer = jax.core.Tracer
-jaxprs_in_params = jcore.jaxprs_in_params
-
-#: Every JAX name jaxmp relies on that is not part of JAX's stable public API, as
-#: ``(module, attribute)``. Attributes of jaxpr objects and primitive parameters are listed
-#: in ``tests/test_compat.py``, which traces the programs that produce them.
-INTERNAL_NAMES: tuple[tuple[str, str], ...] = (
-    ("jax.extend.core", "ClosedJaxpr"),
-    ("jax.extend.core", "DropVar"),
-    ("jax.extend.core", "Jaxpr"),
-    ("jax.extend.core", "Literal"),
-    ("jax.extend.core", "Primitive"),
-    ("jax.extend.core", "jaxprs_in_params"),
-    ("jax.extend.core", "primitives"),
-    ("jax.extend.source_info_util", "current_name_stack"),
-    ("jax.extend.source_info_util", "user_context"),
-    ("jax.core", "Tracer"),
-    ("jax.custom_derivatives", "SymbolicZero"),
-    ("jax._src.interpreters.mlir", "_lowerings"),
-    ("jax._src.interpreters.mlir", "_platform_specific_lowerings"),
+#: Every JAX name jaxmp relies on that is not part of JAX's stable public API: its name here
+#: and the places it is looked up, first found wins. Attributes of jaxpr objects and primitive
+#: parameters are checked by ``tests/test_compat.py``, which traces the programs that have them.
+INTERNAL_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ClosedJaxpr", ("jax.extend.core.ClosedJaxpr",)),
+    # jax 0.7: only in jax._src.core; jax >= 0.8: jax.extend.core.
+    ("DropVar", ("jax.extend.core.DropVar", "jax._src.core.DropVar")),
+    ("Jaxpr", ("jax.extend.core.Jaxpr",)),
+    ("Literal", ("jax.extend.core.Literal",)),
+    ("Primitive", ("jax.extend.core.Primitive",)),
+    # jax 0.7: only in jax._src.core; jax >= 0.8: jax.extend.core.
+    ("jaxprs_in_params", ("jax.extend.core.jaxprs_in_params", "jax._src.core.jaxprs_in_params")),
+    ("primitives", ("jax.extend.core.primitives",)),
+    ("current_name_stack", ("jax.extend.source_info_util.current_name_stack",)),
+    ("user_context", ("jax.extend.source_info_util.user_context",)),
+    ("Tracer", ("jax.core.Tracer",)),
+    ("SymbolicZero", ("jax.custom_derivatives.SymbolicZero",)),
+    ("mlir_lowerings", ("jax._src.interpreters.mlir._lowerings",)),
+    (
+        "mlir_platform_specific_lowerings",
+        ("jax._src.interpreters.mlir._platform_specific_lowerings",),
+    ),
 )
 
 
+def _lookup(path: str) -> Any:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    return getattr(module, attr, None)
+
+
+def resolve(name: str) -> Any:
+    """The object `INTERNAL_NAMES` lists under `name`, from the first place that has it.
+
+    Raises:
+      ImportError: naming every place looked in, when the installed JAX has none of them.
+    """
+    (places,) = [p for n, p in INTERNAL_NAMES if n == name]
+    for path in places:
+        found = _lookup(path)
+        if found is not None:
+            return found
+    raise ImportError(
+        f"jaxmp needs {' or '.join(places)}, which jax {jax.__version__} does not have; "
+        "this JAX version is outside jaxmp's supported range (see README)."
+    )
+
+
 def missing_internal_names() -> list[str]:
-    """Returns ``"module.attribute"`` for each name of `INTERNAL_NAMES` the installed JAX lacks."""
-    missing = []
-    for module_name, attr in INTERNAL_NAMES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            missing.append(f"{module_name}.{attr}")
-            continue
-        if not hasattr(module, attr):
-            missing.append(f"{module_name}.{attr}")
-    return missing
+    """Returns, for each name of `INTERNAL_NAMES` the installed JAX lacks, where it looked."""
+    return [
+        " or ".join(places)
+        for _, places in INTERNAL_NAMES
+        if all(_lookup(path) is None for path in places)
+    ]
+
+
+ClosedJaxpr = resolve("ClosedJaxpr")
+DropVar = resolve("DropVar")
+Jaxpr = resolve("Jaxpr")
+Literal = resolve("Literal")
+Primitive = resolve("Primitive")
+Tracer = resolve("Tracer")
+SymbolicZero = resolve("SymbolicZero")
+jaxprs_in_params = resolve("jaxprs_in_params")
 
 
 def is_tracer(x: Any) -> bool:
@@ -190,15 +217,9 @@ def name_stack_of(eqn: Any) -> str:
 
 def lowered_primitive_names() -> set[str]:
     """Names of every primitive with a lowering rule (shard_map and Pallas ones once imported)."""
-    names: set[str] = set()
-    try:
-        from jax._src.interpreters import mlir
-
-        names.update(p.name for p in mlir._lowerings)
-        for rules in mlir._platform_specific_lowerings.values():
-            names.update(p.name for p in rules)
-    except (ImportError, AttributeError):  # pragma: no cover - caught by tests/test_compat.py
-        pass
+    names = {p.name for p in resolve("mlir_lowerings")}
+    for rules in resolve("mlir_platform_specific_lowerings").values():
+        names.update(p.name for p in rules)
     return names
 
 
@@ -209,5 +230,6 @@ def primitives_in(module: Any) -> set[str]:
 
 def known_primitive_names() -> set[str]:
     """Names of the primitives JAX knows now (call on use: later imports register more)."""
-    names = primitives_in(jcore.primitives) | primitives_in(jax.lax) | primitives_in(jax.lax.linalg)
+    names = primitives_in(resolve("primitives"))
+    names |= primitives_in(jax.lax) | primitives_in(jax.lax.linalg)
     return names | lowered_primitive_names()
