@@ -36,12 +36,23 @@ dtype, softmax in float32 (its probabilities are cast down at the ``probs @ v`` 
 float32 residual stream that enters as a function input is weak, so the first residual add
 makes the stream the compute dtype (as in an explicit ``dtype=jnp.float16`` model).
 
+Float32 paths: a value that exists only to feed a float32 op (a reduction, ``rsqrt``,
+``exp``...) through elementwise and layout ops (`autocast_rules.FLOAT32_PATH_OPS`) is
+computed in float32 from its compute-dtype inputs, whatever the op that writes it
+(``square``, ``integer_pow``, ``pow``, ``x * x``, ``abs``). So the statistics of LayerNorm
+(also its fast variance E[x²] - E[x]²) and RMSNorm, ``jnp.linalg.norm``, ``optax.safe_norm``
+and the elementwise part of a squared-error loss do not overflow for activations above 256,
+while ``square`` and ``integer_pow`` elsewhere (GELU's tanh approximation) follow their
+input. Values that some other op also reads, the activations, stay in the compute dtype and
+are widened where they enter the path (one backward pass per jaxpr: `_float32_paths`).
+
 Losses have no primitives of their own: cross-entropy and other log/exp based losses run in
 float32 through ``exp``, ``log`` and ``reduce_sum``; the mean of any loss is a float32 sum.
-The elementwise part of a squared-error loss follows the prediction's dtype (``square`` and
-``integer_pow`` follow, which keeps GELU's tanh approximation in the compute dtype): compute
-such a loss in a `float32_region`, or outside the autocast function, when float16
-predictions can differ from their targets by more than about 256.
+
+Constants beyond the compute dtype's range (``jnp.finfo(jnp.float32).min`` as a mask value,
+``-1e9`` as a mask bias) are not weak: cast to float16 they would be -inf, and a fully
+masked softmax row NaN. They drive the promotion like a computed float32 value, so the
+masked scores and their softmax run in float32.
 
 Other rules: ``convert_element_type`` between two float dtypes that the program wrote
 (``x.astype(jnp.float32)`` on a float16 value) is kept; one that only changes weak typing
@@ -173,19 +184,40 @@ def _eval_jaxpr(
 
     def read(var: Any) -> tuple[Any, bool]:
         if isinstance(var, compat.Literal):
-            return _literal_value(var), True
+            value = _literal_value(var)
+            return value, not _out_of_range(value, ctx.compute_dtype)
         return env[var]
 
     for var, value in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = (value, True)
+        env[var] = (value, not _out_of_range(value, ctx.compute_dtype))
     for var, value, is_weak in zip(jaxpr.invars, args, weak, strict=True):
         env[var] = (value, is_weak)
 
-    for eqn in jaxpr.eqns:
+    regions = [in_region or REGION_SCOPE in compat.name_stack_of(eqn) for eqn in jaxpr.eqns]
+    paths = _float32_paths(jaxpr, ctx, regions)
+    # The float32 versions of values on a float32 path (see `_float32_paths`).
+    wide_env: dict[Any, Any] = {}
+
+    for i, eqn in enumerate(jaxpr.eqns):
         read_in = [read(v) for v in eqn.invars]
         vals = [v for v, _ in read_in]
         flags = [f for _, f in read_in]
-        region = in_region or REGION_SCOPE in compat.name_stack_of(eqn)
+        region = regions[i]
+        if i in paths.wide or i in paths.sinks:
+            wide_vals = [
+                wide_env.get(v, x) if not isinstance(v, compat.Literal) else x
+                for v, x in zip(eqn.invars, vals, strict=True)
+            ]
+        if i in paths.wide:
+            with compat.source_context(eqn):
+                wide_outs = _run_wide(eqn, wide_vals, flags, cache)
+            for var, value in zip(eqn.outvars, wide_outs, strict=True):
+                if not isinstance(var, compat.DropVar):
+                    wide_env[var] = value
+            if i in paths.wide_only:
+                continue
+        if i in paths.sinks:
+            vals = wide_vals
         with compat.source_context(eqn):
             outs, out_flags = _apply(eqn, vals, flags, ctx, region, cache)
         for var, value, is_weak in zip(eqn.outvars, outs, out_flags, strict=True):
@@ -194,6 +226,100 @@ def _eval_jaxpr(
 
     results = [read(v) for v in jaxpr.outvars]
     return [v for v, _ in results], [f for _, f in results]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Float32Paths:
+    """The float32 paths of one jaxpr, as equation indices (see `_float32_paths`).
+
+    Attributes:
+      sinks: float32 ops whose floating operands are read in their float32 version.
+      wide: elementwise and layout equations whose float32 version a float32 op reads.
+      wide_only: those of `wide` whose ordinary version nothing reads (only the float32
+        version is computed).
+    """
+
+    sinks: frozenset[int]
+    wide: frozenset[int]
+    wide_only: frozenset[int]
+
+
+def _float32_paths(jaxpr: Any, ctx: _Context, regions: list[bool]) -> _Float32Paths:
+    """Finds the values that feed a float32 op through elementwise and layout ops only.
+
+    One backward pass over the equations. A floating operand of a float32 op (a reduction,
+    ``rsqrt``, ``exp``...) is read in its float32 version; the float32 version of a value
+    computed by an op of `autocast_rules.FLOAT32_PATH_OPS` is that op evaluated in float32
+    on the float32 versions of its operands, and that of any other value (a matmul output,
+    an input, a reduction) is the value itself, widened. So ``mean(square(x @ w))`` squares
+    the float16 matmul output in float32 and cannot overflow, while ``x @ w`` itself, and
+    every activation some other op reads, stays in the compute dtype.
+    """
+    eqns = jaxpr.eqns
+    need_wide: set[Any] = set()
+    need_plain: set[Any] = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    sinks, wide, wide_only = set(), set(), set()
+
+    def float_vars(eqn: Any) -> list[Any]:
+        return [
+            v
+            for v in eqn.invars
+            if not isinstance(v, compat.Literal) and _is_float_dtype(v.aval.dtype)
+        ]
+
+    def all_vars(eqn: Any) -> list[Any]:
+        return [v for v in eqn.invars if not isinstance(v, compat.Literal)]
+
+    for i in reversed(range(len(eqns))):
+        eqn = eqns[i]
+        name = eqn.primitive.name
+        if regions[i]:
+            need_plain.update(all_vars(eqn))
+        elif name in ctx.float32_ops and not compat.has_subjaxprs(eqn.params):
+            sinks.add(i)
+            need_wide.update(float_vars(eqn))
+            need_plain.update(all_vars(eqn))
+        elif name in autocast_rules.FLOAT32_PATH_OPS:
+            is_wide = any(v in need_wide for v in eqn.outvars)
+            is_plain = any(v in need_plain for v in eqn.outvars) or not is_wide
+            if is_wide:
+                wide.add(i)
+                need_wide.update(float_vars(eqn))
+                if not is_plain:
+                    wide_only.add(i)
+            if is_plain:
+                need_plain.update(all_vars(eqn))
+            else:  # integer and boolean operands (indices, predicates) are read as they are
+                need_plain.update(v for v in all_vars(eqn) if v not in float_vars(eqn))
+        else:
+            need_plain.update(all_vars(eqn))
+    return _Float32Paths(frozenset(sinks), frozenset(wide), frozenset(wide_only))
+
+
+def _run_wide(eqn: Any, vals: list[Any], flags: list[bool], cache: dict[Any, Any]) -> list[Any]:
+    """The float32 version of an elementwise or layout equation (see `_float32_paths`)."""
+    if eqn.primitive.name == "convert_element_type":
+        return _convert_rule(eqn, vals, flags)[0]
+    return _run_in_float32(eqn, vals, cache)
+
+
+def _out_of_range(value: Any, dtype: np.dtype) -> bool:
+    """Whether `value`, a constant, holds a finite number beyond `dtype`'s range.
+
+    Such a constant (``jnp.finfo(jnp.float32).min`` as a mask value, ``-1e9`` as a mask
+    bias) drives the promotion like a computed value instead of adapting to the compute
+    dtype it meets: cast to float16 it would become -inf, and a fully masked row's softmax
+    NaN. Only concrete values are looked at (literals, and constants up to 2**20 elements).
+    """
+    if isinstance(value, compat.Tracer) or not _is_float(value):
+        return False
+    if not _is_float_dtype(dtype) or jnp.finfo(dtype).bits >= 32:
+        return False
+    if np.size(value) > 2**20:
+        return False
+    values = np.abs(np.asarray(value, np.float64))
+    limit = float(jnp.finfo(dtype).max)
+    return bool(np.any(np.isfinite(values) & (values > limit)))
 
 
 def _apply(
@@ -231,7 +357,7 @@ def _apply(
         outs = _bind(eqn, vals)
         out_flags = list(flags) if len(flags) == len(outs) else [all(flags)] * len(outs)
         return outs, out_flags
-    return _follow(eqn, vals, flags, cache)
+    return _follow(eqn, vals, flags, cache, ctx.compute_dtype)
 
 
 def _as_traced(eqn: Any, vals: list[Any], cache: dict[Any, Any]) -> list[Any]:
@@ -268,7 +394,11 @@ def _run_in_float32(eqn: Any, vals: list[Any], cache: dict[Any, Any]) -> list[An
 
 
 def _follow(
-    eqn: Any, vals: list[Any], flags: list[bool], cache: dict[Any, Any]
+    eqn: Any,
+    vals: list[Any],
+    flags: list[bool],
+    cache: dict[Any, Any],
+    compute_dtype: np.dtype | None = None,
 ) -> tuple[list[Any], list[bool]]:
     """Runs `eqn` in the widest dtype of its driving floating operands (see module docs)."""
     floats = [i for i, x in enumerate(vals) if _is_float(x)]
@@ -277,6 +407,9 @@ def _follow(
         return _bind(eqn, vals), [False] * n_out
     strong = [i for i in floats if not flags[i]]
     drivers = [i for i in strong if len(vals[i].shape) > 0] or strong or floats
+    if compute_dtype is not None:
+        # A 0-d constant beyond the compute dtype's range drives too (``x * 1e9``).
+        drivers += [i for i in strong if _out_of_range(vals[i], compute_dtype)]
     dtype = _promote(jnp.dtype(vals[i].dtype) for i in drivers)
     cast = [_cast(x, dtype, cache) if i in floats else x for i, x in enumerate(vals)]
     out_weak = all(flags[i] for i in floats)
