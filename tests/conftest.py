@@ -3,7 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jcore
+
+from jaxmp._src import compat
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 HALF_DTYPES = (F16, BF16)
@@ -33,11 +34,11 @@ def half_dtype(request):
 
 def all_eqns(jaxpr):
     """Every equation of `jaxpr` and of its sub-jaxprs, depth first."""
-    if isinstance(jaxpr, jcore.ClosedJaxpr):
+    if isinstance(jaxpr, compat.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jcore.jaxprs_in_params(eqn.params):
+        for sub in compat.jaxprs_in_params(eqn.params):
             yield from all_eqns(sub)
 
 

@@ -14,6 +14,7 @@ from flax import nnx
 from jax import lax
 from jax.extend import core as jcore
 
+from jaxmp._src import compat
 from jaxmp._src.autocast import (
     FLOAT32_OPS,
     LOW_PRECISION_OPS,
@@ -209,7 +210,7 @@ def upcasts_feeding_only_matmuls(jaxpr, dtype):
                 )
             ):
                 found.append(eqn)
-        for sub in jcore.jaxprs_in_params(eqn.params):
+        for sub in compat.jaxprs_in_params(eqn.params):
             found += upcasts_feeding_only_matmuls(sub, dtype)
     return found
 
