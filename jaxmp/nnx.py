@@ -9,6 +9,7 @@ skipped step does not advance ``step``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -184,3 +185,59 @@ class Optimizer(nnx.Optimizer):
     def metrics(self) -> dict[str, jax.Array]:
         """`jaxmp.loss_scale_metrics` of the optimizer state, for logging."""
         return state_lib.loss_scale_metrics(self.opt_state)
+
+
+# --------------------------------------------------------------------------------------------
+# `jaxmp.autocast` of functions taking NNX modules.
+
+
+@dataclasses.dataclass(frozen=True)
+class _GraphNodes:
+    """Where the NNX graph nodes of an autocast call's arguments go (static and hashable).
+
+    Attributes:
+      graphdef: the `nnx.GraphDef` of the list of graph nodes.
+      treedef: the tree of ``(args, kwargs)`` with each graph node as a leaf.
+      positions: the leaf positions of the graph nodes in `treedef`.
+    """
+
+    graphdef: Any
+    treedef: Any
+    positions: tuple[int, ...]
+
+    def merge(self, others: list[Any], state: Any) -> tuple[Any, Any, Callable[[], Any]]:
+        """The call's ``(args, kwargs)`` rebuilt inside the trace, and a reader of the state."""
+        nodes = nnx.merge(self.graphdef, state)
+        leaves = list(others)
+        for position, node in zip(self.positions, nodes, strict=True):
+            leaves.insert(position, node)
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        return args, kwargs, lambda: nnx.state(nodes)
+
+
+def _split_graph_nodes(tree: Any) -> tuple[_GraphNodes, list[Any], Any, Callable] | None:
+    """Splits the NNX graph nodes out of `tree` for `jaxmp.autocast`, or None if it has none.
+
+    Returns ``(nodes, others, state, write_back)``: the static `_GraphNodes`, the other
+    leaves of `tree`, the nodes' `nnx.State`, and a function that writes the state leaves
+    the call changed (a list with None for the unchanged ones) back into the nodes, as
+    `nnx.jit` does: BatchNorm statistics and `nnx.Rngs` counters update as in the plain call.
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=nnx.graph.is_graph_node)
+    positions = tuple(i for i, leaf in enumerate(leaves) if nnx.graph.is_graph_node(leaf))
+    if not positions:
+        return None
+    nodes = [leaves[i] for i in positions]
+    others = [leaf for i, leaf in enumerate(leaves) if i not in positions]
+    graphdef, state = nnx.split(nodes)
+
+    def write_back(new_leaves: list[Any]) -> None:
+        old_leaves, state_def = jax.tree.flatten(state)
+        if all(new is None for new in new_leaves):
+            return
+        merged = [
+            old if new is None else new for new, old in zip(new_leaves, old_leaves, strict=True)
+        ]
+        nnx.update(nodes, jax.tree.unflatten(state_def, merged))
+
+    return _GraphNodes(graphdef, treedef, positions), others, state, write_back

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax import lax
 
 from jaxmp._src.autocast import autocast
@@ -181,3 +182,151 @@ def test_flax_attention_mask_gives_the_float32_answer(dtype):
     assert bool(jnp.all(jnp.isfinite(out))), out
     scale = float(jnp.max(jnp.abs(expected)))
     assert_close(out / scale, expected / scale, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# State updates made inside an autocast function come out as in the plain call.
+
+
+class NnxBatchNormDropout(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.5, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.norm(self.linear(x)))
+
+
+def nnx_batch():
+    """Multiples of 1/2: with `exact_kernel`, the float16 matmul is exact."""
+    return jnp.asarray(((np.arange(6 * 8) % 9 - 4) / 2).astype(np.float32).reshape(6, 8))
+
+
+def exact_kernel(shape=(8, 16)):
+    """Multiples of 1/4 in [-0.75, 0.75]: products and sums exact in float16 and bfloat16."""
+    i, j = np.indices(shape)
+    return jnp.asarray((((3 * i + 5 * j) % 7 - 3) / 4).astype(np.float32))
+
+
+def assert_same_nnx_state(model, reference, dtype):
+    state = nnx.state(model)
+    ref_state = nnx.state(reference)
+    assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+    for leaf, ref in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
+        if jnp.issubdtype(ref.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(jax.random.key_data(leaf), jax.random.key_data(ref))
+            continue
+        assert leaf.dtype == ref.dtype
+        if jnp.issubdtype(ref.dtype, jnp.floating):
+            assert_close(leaf, ref, dtype)
+        else:  # counters: exactly
+            np.testing.assert_array_equal(leaf, ref)
+
+
+@pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "nnx_jit"])
+def test_nnx_batch_norm_statistics_and_rngs_counter_update(under_jit):
+    dtype = jnp.dtype(jnp.float16)
+    model = NnxBatchNormDropout(nnx.Rngs(0))
+    reference = NnxBatchNormDropout(nnx.Rngs(0))
+    model.linear.kernel[...] = reference.linear.kernel[...] = exact_kernel()
+    forward = autocast(lambda m, x: m(x), "mixed_float16")
+    if under_jit:
+        forward = nnx.jit(forward)
+    plain = nnx.jit(lambda m, x: m(x))
+    x = nnx_batch()
+    for step in range(2):
+        out = forward(model, x + step)
+        expected = plain(reference, x + step)
+        assert out.dtype == expected.dtype
+        # The same dropout mask (the Rngs counter advanced as in the plain call).
+        np.testing.assert_array_equal(out == 0, expected == 0)
+        assert_close(out, expected, dtype)
+        assert_same_nnx_state(model, reference, dtype)
+    assert int(model.drop.rngs.count[...]) == 2
+    assert not np.allclose(model.norm.mean[...], 0.0)
+
+
+def test_nnx_state_updates_inside_nnx_grad():
+    """autocast inside an NNX training step: the statistics update through nnx.grad."""
+    dtype = jnp.dtype(jnp.float16)
+    model = NnxBatchNormDropout(nnx.Rngs(0))
+    reference = NnxBatchNormDropout(nnx.Rngs(0))
+    model.linear.kernel[...] = reference.linear.kernel[...] = exact_kernel()
+
+    def make_step(apply):
+        @nnx.jit
+        def step(model, x):
+            return nnx.grad(lambda m: jnp.mean(apply(m, x) ** 2))(model)
+
+        return step
+
+    grads = make_step(autocast(lambda m, x: m(x), "mixed_float16"))(model, nnx_batch())
+    ref_grads = make_step(lambda m, x: m(x))(reference, nnx_batch())
+    assert_same_nnx_state(model, reference, dtype)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert_close(g / scale, r / scale, dtype)
+
+
+class LinenBatchNormDropout(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+        return nn.Dropout(0.5, deterministic=not train)(x)
+
+
+def test_linen_mutable_collections_update():
+    dtype = jnp.dtype(jnp.float16)
+    model = LinenBatchNormDropout()
+    x = nnx_batch()
+    variables = model.init(jax.random.key(0), x, train=False)
+    variables["params"]["Dense_0"]["kernel"] = exact_kernel()
+
+    def forward(variables, x, key):
+        return model.apply(variables, x, train=True, mutable=["batch_stats"], rngs={"dropout": key})
+
+    key = jax.random.key(1)
+    out, updates = jax.jit(autocast(forward, "mixed_float16"))(variables, x, key)
+    expected, ref_updates = jax.jit(forward)(variables, x, key)
+    np.testing.assert_array_equal(out == 0, expected == 0)
+    assert_close(out, expected, dtype)
+    assert jax.tree.structure(updates) == jax.tree.structure(ref_updates)
+    for leaf, ref in zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates), strict=True):
+        assert leaf.dtype == ref.dtype
+        assert_close(leaf, ref, dtype)
+
+
+def test_equinox_state_updates():
+    eqx = pytest.importorskip("equinox", reason="equinox is an optional test dependency")
+    dtype = jnp.dtype(jnp.float16)
+
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        norm: eqx.nn.BatchNorm
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(8, 16, key=key)
+            self.norm = eqx.nn.BatchNorm(16, axis_name="batch", momentum=0.5, mode="ema")
+
+        def __call__(self, x, state):
+            return self.norm(self.linear(x), state)
+
+    model, state = eqx.nn.make_with_state(Model)(jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.linear.weight, model, exact_kernel().T)
+
+    def forward(model, state, x):
+        return jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+    x = nnx_batch()
+    out, new_state = eqx.filter_jit(autocast(forward, "mixed_float16"))(model, state, x)
+    expected, ref_state = eqx.filter_jit(forward)(model, state, x)
+    assert_close(out, expected, dtype)
+    assert jax.tree.structure(new_state) == jax.tree.structure(ref_state)
+    for leaf, ref in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state), strict=True):
+        assert leaf.dtype == ref.dtype
+        if jnp.issubdtype(ref.dtype, jnp.floating):
+            assert_close(leaf, ref, dtype)
+        else:
+            np.testing.assert_array_equal(leaf, ref)

@@ -68,6 +68,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -748,6 +749,19 @@ def _hashable(spec: _ArgSpec) -> bool:
     return True
 
 
+def _split_graph_nodes(tree: Any) -> Any:
+    """`jaxmp.nnx`'s split of the Flax NNX graph nodes in `tree`, or None.
+
+    autocast itself does not import Flax: a program that passes NNX modules has imported
+    ``flax.nnx`` already, and only then is `jaxmp.nnx` asked.
+    """
+    if "flax.nnx" not in sys.modules:
+        return None
+    from jaxmp import nnx as jaxmp_nnx
+
+    return jaxmp_nnx._split_graph_nodes(tree)
+
+
 class Autocast:
     """The function `autocast` returns; call it like the wrapped function.
 
@@ -769,28 +783,54 @@ class Autocast:
         self.policy = policy
         self.low_precision_ops = low_precision_ops
         self.float32_ops = float32_ops
-        self._jitted = jax.jit(self._run, static_argnums=0)
+        self._jitted = jax.jit(self._run, static_argnums=(0, 1))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        graph = _split_graph_nodes((args, kwargs))
+        if graph is not None:
+            # NNX modules (BatchNorm statistics, the Rngs counters) are mutated in place:
+            # call with their state and write the updated variables back, as `nnx.jit` does.
+            nodes, others, state, write_back = graph
+            out, new_leaves = self._call(True, (nodes, others, state), {})
+            write_back(new_leaves)
+            return out
+        return self._call(False, args, kwargs)
+
+    def _call(self, graph: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         spec, dynamic = _split_args(args, kwargs)
         if not any(isinstance(x, compat.Tracer) for x in dynamic) and _hashable(spec):
             # Called outside any transformation: trace, re-interpret and compile once per
             # argument signature.
-            return self._jitted(spec, *dynamic)
-        return self._run(spec, *dynamic)
+            return self._jitted(graph, spec, *dynamic)
+        return self._run(graph, spec, *dynamic)
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> compat.ClosedJaxpr:
         """Returns the jaxpr autocast produces for these arguments (see `autocast_jaxpr`)."""
         spec, dynamic = _split_args(args, kwargs)
-        return jax.make_jaxpr(functools.partial(self._run, spec))(*dynamic)
+        return jax.make_jaxpr(functools.partial(self._run, False, spec))(*dynamic)
 
-    def _run(self, spec: _ArgSpec, *dynamic: Any) -> Any:
+    def _run(self, graph: bool, spec: _ArgSpec, *dynamic: Any) -> Any:
         out_tree: list[Any] = []
+        num_out: list[int] = []
 
         def flat_fun(*values):
             call_args, call_kwargs = spec.merge(values)
-            out_leaves, tree = jax.tree.flatten(self._fun(*call_args, **call_kwargs))
+            if graph:
+                # `(out, new_leaves)`: the state leaves the call changed (None if unchanged).
+                nodes, others, state = call_args
+                call_args, call_kwargs, read_state = nodes.merge(others, state)
+                before = jax.tree.leaves(state)
+                out = self._fun(*call_args, **call_kwargs)
+                after = jax.tree.leaves(read_state())
+                new_leaves = [
+                    None if new is old else new for new, old in zip(after, before, strict=True)
+                ]
+                result = (out, new_leaves)
+            else:
+                result = self._fun(*call_args, **call_kwargs)
+            out_leaves, tree = jax.tree.flatten(result)
             out_tree.append(tree)
+            num_out.append(len(jax.tree.leaves(result[0])) if graph else len(out_leaves))
             return out_leaves
 
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
@@ -800,7 +840,12 @@ class Autocast:
             float32_ops=self.float32_ops,
         )
         outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, dynamic, [True] * len(dynamic), ctx)
-        outs = [_cast(x, self.policy.output_dtype) if _is_float(x) else x for x in outs]
+        n = num_out[0]
+        outs = [_cast(x, self.policy.output_dtype) if _is_float(x) else x for x in outs[:n]] + [
+            # Updated state keeps the dtype of the plain call, not the output dtype.
+            _cast(x, v.aval.dtype) if _is_float(x) and _is_float_dtype(v.aval.dtype) else x
+            for x, v in zip(outs[n:], closed.jaxpr.outvars[n:], strict=True)
+        ]
         return jax.tree.unflatten(out_tree[0], outs)
 
     def __repr__(self) -> str:
@@ -831,8 +876,10 @@ def autocast(
     Control flow (``jit``, ``scan``, ``while_loop``, ``cond``/``switch``, ``checkpoint``)
     is re-interpreted too; loop carries keep the dtype of their initial value. ``custom_jvp``
     functions keep their custom rule, ``custom_vjp`` functions run as traced. Wrap code that
-    must not be touched in `float32_region`. The result composes with ``jax.jit``,
-    ``jax.grad`` and ``jax.vmap`` in any order. Call it under ``jax.jit``: called eagerly it
+    must not be touched in `float32_region`. Flax NNX modules among the arguments are
+    handled like ``nnx.jit`` does: variables the call updates (BatchNorm statistics,
+    ``nnx.Rngs`` counters) are written back, in their own dtypes. The result composes
+    with ``jax.jit``, ``jax.grad`` and ``jax.vmap`` in any order. Call it under ``jax.jit``: called eagerly it
     compiles itself once per argument signature, but under an eager ``jax.grad`` or
     ``jax.vmap`` it re-traces on every call. Non-array arguments (Python scalars, strings,
     flags such as ``deterministic=True``) are static: they are baked into the trace.
