@@ -26,7 +26,12 @@ from jaxmp._src.loss_scaling import LossScalingState, loss_scaling
 from jaxmp._src.master_weights import MasterWeightsState, master_weights
 from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
 from jaxmp._src.policy import Policy, get_policy
-from jaxmp._src.state import get_loss_scale, loss_scale_metrics
+from jaxmp._src.state import (
+    get_loss_scale,
+    inner_state,
+    loss_scale_metrics,
+    schedule_free_eval_params,
+)
 from jaxmp._src.tree import all_finite, select_tree
 
 __version__ = "0.1.0"
@@ -63,12 +68,14 @@ __all__ = (
     "get_loss_scale",
     "get_policy",
     "half_dtype",
+    "inner_state",
     "loss_scale_metrics",
     "loss_scaling",
     "master_weights",
     "mixed_precision",
     "pmean_in_float32",
     "psum_in_float32",
+    "schedule_free_eval_params",
     "select_tree",
     "state_shardings",
     "value_and_grad",

@@ -52,3 +52,26 @@ def test_select_tree_errors_name_the_leaf():
         jaxmp.select_tree(jnp.array([True, False]), a, a)
     with pytest.raises(ValueError, match="`pred` must be a scalar boolean.*float32"):
         jaxmp.select_tree(jnp.float32(1), a, a)
+
+
+@pytest.mark.parametrize("bad", [complex(np.nan, 0), complex(0, np.inf), complex(-np.inf, 1)])
+@pytest.mark.parametrize("size", [2, 100])
+def test_all_finite_checks_complex_leaves(bad, size):
+    z = jnp.ones(size, jnp.complex64)
+    assert bool(jax.jit(jaxmp.all_finite)({"z": z}))
+    assert not bool(jax.jit(jaxmp.all_finite)({"z": z.at[size // 2].set(bad)}))
+
+
+def test_all_finite_checks_python_floats():
+    assert not bool(jaxmp.all_finite({"lr": float("nan"), "w": jnp.ones(2)}))
+    assert not bool(jaxmp.all_finite([complex(float("inf"), 0)]))
+    assert bool(jaxmp.all_finite([1.0, 3, True, "name", None, 2j]))
+
+
+def test_all_true_reads_rows():
+    from jaxmp._src.tree import all_true
+
+    mask = jnp.ones((40, 40), bool)
+    assert bool(jax.jit(all_true)([mask, jnp.array(True)]))
+    assert not bool(jax.jit(all_true)([mask.at[39, 0].set(False)]))
+    assert bool(all_true([]))

@@ -6,9 +6,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jaxmp._src import casting, compat, dtypes
+from jaxmp._src import compat, dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import tree as tree_lib
 
@@ -20,7 +21,9 @@ class LossScalingState(NamedTuple):
       inner_state: the wrapped transformation's state; bit-identical after a
         skipped step.
       loss_scale: the `LossScale` (a pytree of arrays) for the next step.
-      grads_finite: whether the last step's gradients were finite.
+      grads_finite: whether the last step was finite: its gradients, its
+        ``value`` and ``grad`` extra arguments and, with ``check_outputs=True``,
+        the inner update's outputs (False: the step was skipped).
       skipped_steps: total number of skipped (non-finite) steps.
       consecutive_skipped_steps: skipped steps in a row up to the last step.
     """
@@ -49,16 +52,95 @@ def _finite_across(finite: jax.Array, axis_name: Any) -> jax.Array:
     return jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
 
 
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _is_number(x: Any) -> bool:
+    return _is_array(x) or isinstance(x, (int, float, complex))
+
+
+def _unscale(loss_scale: loss_scale_lib.LossScale, tree: Any) -> Any:
+    """Widens floating leaves to at least float32 (complex: complex64) and divides by the scale.
+
+    Never narrows: float64 and complex128 leaves keep their dtype (a float64 gradient of
+    1e300 or an update of 1e-12 survives). Complex leaves are unscaled like real ones.
+    Other leaves pass through.
+    """
+    inv = 1.0 / jnp.asarray(loss_scale.loss_scale).astype(jnp.float32)
+    noop = isinstance(loss_scale, loss_scale_lib.NoOpLossScale)
+
+    def leaf(x):
+        if dtypes.is_floating(x):
+            dtype = dtypes.compute_dtype_of(x)
+        elif tree_lib.is_complex(x):
+            dtype = jnp.dtype(jnp.complex128 if x.dtype.itemsize >= 16 else jnp.complex64)
+        else:
+            return x
+        x = x if jnp.dtype(x.dtype) == dtype else x.astype(dtype)
+        return x if noop else x * inv.astype(dtype)
+
+    return jax.tree.map(leaf, tree)
+
+
+def _zero_unless(finite: jax.Array, tree: Any) -> Any:
+    """``where(finite, x, 0)`` for every array leaf; other leaves pass through.
+
+    Applied to the gradients before the inner update as well as to its updates: on a
+    skipped step the inner update then runs on zeros, so nothing in it is NaN (the gradient
+    of a skipped step with respect to a hyperparameter is 0, not ``0 * NaN``, and
+    `jax_debug_nans` does not fire inside an update that is discarded).
+    """
+
+    def leaf(x):
+        if not _is_number(x):
+            return x
+        return jnp.where(finite, x, jnp.zeros_like(x))
+
+    return jax.tree.map(leaf, tree)
+
+
+def _keep_integer_dtypes(new: Any, old: Any) -> Any:
+    """Casts new state leaves back to the dtype of old integer and boolean leaves.
+
+    optax's moments of an integer or boolean param start in that dtype
+    (``zeros_like(param)``) and turn into float32 at the first update; such params
+    are not trained, and their state keeps its dtype so that the state is stable.
+    """
+
+    def leaf(n, o):
+        if not (_is_array(n) and _is_array(o)) or jnp.dtype(n.dtype) == jnp.dtype(o.dtype):
+            return n
+        if jnp.issubdtype(o.dtype, jnp.integer) or jnp.issubdtype(o.dtype, jnp.bool_):
+            if jnp.shape(n) == jnp.shape(o):
+                return n.astype(o.dtype)
+        return n
+
+    try:
+        return jax.tree.map(leaf, new, old)
+    except ValueError:  # different structures: reported by the caller
+        return new
+
+
 def _select_state(finite: jax.Array, new: Any, old: Any) -> Any:
     return tree_lib.select(finite, new, old, names=("new inner state", "old inner state"))
 
 
-def _zero_unless(finite: jax.Array, updates: Any) -> Any:
-    return jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-
-
 def _is_traced(tree: Any) -> bool:
     return any(compat.is_tracer(x) for x in jax.tree.leaves(tree))
+
+
+def _applied(params: Any, updates: Any) -> Any:
+    """``params + updates`` in each param's dtype, as `optax.apply_updates` computes it."""
+
+    def leaf(u, p):
+        if u is None or not (_is_number(u) and _is_number(p)):
+            return None
+        p, u = jnp.asarray(p), jnp.asarray(u)
+        wide = max(jnp.dtype(p.dtype), jnp.dtype(u.dtype), key=lambda d: d.itemsize)
+        return (p.astype(wide) + u.astype(wide)).astype(p.dtype)
+
+    return jax.tree.map(leaf, updates, params, is_leaf=lambda x: x is None)
 
 
 def _guarded_update(
@@ -68,24 +150,40 @@ def _guarded_update(
     inner_state: Any,
     params: Any,
     extra_args: dict[str, Any],
-) -> tuple[Any, Any]:
-    """`inner.update`, then zero updates and the old inner state unless `finite`.
+    *,
+    check_outputs: bool = False,
+    axis_name: Any = None,
+) -> tuple[Any, Any, jax.Array]:
+    """`inner.update`, then zero updates and the old inner state unless the step is finite.
 
-    Under a trace, the selects are placed where `inner` computes each new state
-    leaf (`_update_selecting_at_source`); eagerly, after the update.
+    Returns the updates, the inner state and whether the step was finite (`finite`,
+    and with `check_outputs` whether the updates, the new inner state and
+    ``params + updates`` are finite). Under a trace and without `check_outputs`, the
+    selects are placed where `inner` computes each new state leaf
+    (`_update_selecting_at_source`); otherwise after the update.
     """
-    if _is_traced((grads, inner_state)):
+    if not check_outputs and _is_traced((grads, inner_state)):
         try:
-            return _update_selecting_at_source(
+            updates, state = _update_selecting_at_source(
                 inner, finite, grads, inner_state, params, extra_args
             )
+            return updates, state, finite
         except (jax.errors.JAXTypeError, NotImplementedError):
             # What `inner` cannot do as a jaxpr of (grads, state) (Python control
             # flow on a state leaf that is concrete, say) takes the plain path
             # below, which raises the same error if the update itself is at fault.
             pass
     new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
-    return _zero_unless(finite, new_updates), _select_state(finite, new_inner, inner_state)
+    new_inner = _keep_integer_dtypes(new_inner, inner_state)
+    if check_outputs:
+        # With finite params, ``params + updates`` is finite only if the updates are.
+        outputs = (new_inner, new_updates if params is None else _applied(params, new_updates))
+        finite = _finite_across(finite & tree_lib.all_finite(outputs), axis_name)
+    return (
+        _zero_unless(finite, new_updates),
+        _select_state(finite, new_inner, inner_state),
+        finite,
+    )
 
 
 def _update_selecting_at_source(
@@ -108,13 +206,19 @@ def _update_selecting_at_source(
     written anyway. Where `finite` is true every value is unchanged; where it is
     false the updates are garbage and zeroed as before.
     """
-    g_leaves, g_def = jax.tree.flatten(grads)
-    s_leaves, s_def = jax.tree.flatten(inner_state)
+    g_all, g_def = jax.tree.flatten(grads)
+    s_all, s_def = jax.tree.flatten(inner_state)
+    if not all(map(_is_array, g_all + s_all)):
+        # Leaves that are not arrays (an Equinox module's functions, Python numbers) cannot
+        # be jaxpr inputs: the plain path handles them.
+        raise NotImplementedError("non-array leaves")
+    g_leaves, s_leaves = g_all, s_all
 
     def run(g, s):
-        return inner.update(
+        new_updates, new_state = inner.update(
             jax.tree.unflatten(g_def, g), jax.tree.unflatten(s_def, s), params, **extra_args
         )
+        return new_updates, _keep_integer_dtypes(new_state, inner_state)
 
     closed, (u_shape, s_shape) = jax.make_jaxpr(run, return_shape=True)(g_leaves, s_leaves)
     tree_lib.check_same_structure(
@@ -127,7 +231,12 @@ def _update_selecting_at_source(
     old_of: dict[Any, Any] = {}  # new state var -> old value; None: select at the end
     for var, old in zip(state_vars, s_leaves, strict=True):
         if not isinstance(var, compat.Literal) and var not in inputs:
-            old_of[var] = None if var in old_of else old
+            # Scalars (Adam's count) are selected at the end: selecting them costs no
+            # memory traffic, and the computations after them then see the new value,
+            # not the old one (a count of 0 would make Adam's bias correction divide 0 by 0
+            # in the discarded update of a skipped first step, and its hypergradient NaN).
+            scalar = jnp.ndim(old) == 0
+            old_of[var] = None if (var in old_of or scalar) else old
 
     env: dict[Any, Any] = {}
 
@@ -136,7 +245,18 @@ def _update_selecting_at_source(
 
     def write(var, value):
         old = old_of.get(var)
-        env[var] = value if old is None else jax.lax.select(finite, value, old)
+        if old is None:
+            env[var] = value
+            return
+        selected = jax.lax.select(finite, value, old)
+        if jax.typeof(selected) != jax.typeof(value):
+            # The select changed the value's type: under `shard_map(check_vma=True)`, a
+            # device-varying `finite` makes an invariant value (Adam's count) varying,
+            # which the equations after it were not traced for. Select it at the end.
+            old_of[var] = None
+            env[var] = value
+            return
+        env[var] = selected
 
     for var, value in zip(jaxpr.constvars, closed.consts, strict=True):
         env[var] = value
@@ -160,25 +280,76 @@ def _update_selecting_at_source(
     )
 
 
+def _find_loss_scaling_states(tree: Any) -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, LossScalingState)
+    )[0]
+    return [
+        jax.tree_util.keystr(path) or "<root>"
+        for path, leaf in leaves
+        if isinstance(leaf, LossScalingState)
+    ]
+
+
+def _check_grads_match_params(grads: Any, params: Any) -> None:
+    """Raises naming the leaf unless `grads` has the structure of `params`.
+
+    A None gradient stands for a whole subtree of `params` (Equinox's filtered
+    gradients of an unfiltered module), and `optax.lookahead`'s params are checked
+    by their fast part, the one the gradients are for.
+    """
+    if isinstance(params, optax.LookaheadParams):
+        params = params.fast
+    treedef = jax.tree.structure(grads, is_leaf=lambda x: x is None)
+    try:
+        treedef.flatten_up_to(params)
+    except (ValueError, TypeError):
+        tree_lib.check_same_structure(grads, params, names=("grads", "params"))
+        raise
+
+
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: loss_scale_lib.LossScale | None = None,
     *,
     axis_name: Any = None,
+    check_outputs: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-    """Wraps `inner` so that it receives unscaled, finite float32 gradients.
+    """Wraps `inner` so that it receives unscaled, finite gradients of at least float32.
 
     ``update(grads, state, params=None, **extra)`` takes the gradients of the
     *scaled* loss (in any floating dtype, for example those of
-    `jaxmp.value_and_grad`). It casts them to float32, divides them by the loss
-    scale that produced them (the one in `state`, see `jaxmp.get_loss_scale`),
-    and checks that every element is finite (across `axis_name` when given). If
-    so, `inner` runs on the unscaled float32 gradients. If not, the step is
-    skipped: the updates are all zero and the inner state is kept bit-identical.
-    Either way, the loss scale is then adjusted (`LossScale.adjust`).
+    `jaxmp.value_and_grad`). It widens them to float32 (float64 and complex
+    gradients keep their dtype, complex64 at least; nothing is narrowed), divides
+    them by the loss scale that produced them (the one in `state`, see
+    `jaxmp.get_loss_scale`), and checks that every element is finite (across
+    `axis_name` when given). If so, `inner` runs on the unscaled gradients. If
+    not, the step is skipped: the updates are all zero and the inner state is
+    kept bit-identical. Either way, the loss scale is then adjusted
+    (`LossScale.adjust`).
+
+    What is checked, and so what the skip guarantees:
+
+    * the unscaled gradients, real and complex;
+    * the extra arguments ``value`` (the loss, as `jaxmp.value_and_grad` returns
+      it, unscaled: a NaN ``value`` for `optax.contrib.reduce_on_plateau` skips
+      the step) and ``grad`` (which `optax.lbfgs`'s line search takes: it is
+      unscaled like the gradients). Other extra arguments reach `inner` as given;
+    * with ``check_outputs=True``, also the inner update's outputs: the updates,
+      the new inner state and ``params + updates`` in each param's dtype. Finite
+      gradients can still make these non-finite (a gradient of 1e20 makes Adam's
+      second moment inf; ``adam(eps=0)`` with zero gradients divides 0 by 0; SGD
+      on a param of 3e38 overflows). This costs the selects at source (below):
+      about 0.25 more float32 copies of the params for Adam, see BENCHMARKS.md.
+
+    So a skipped step never lets a non-finite value into params or the inner
+    state; without ``check_outputs``, an update whose own arithmetic overflows
+    on finite inputs is applied.
 
     Unlike `optax.apply_if_finite`, it never gives up and applies a non-finite
-    update, however many steps in a row are skipped.
+    update, however many steps in a row are skipped. On a skipped step `inner`
+    runs on zeros (its result is discarded), so that nothing in it is NaN: the
+    gradient of a skipped step's updates with respect to a hyperparameter is 0.
 
     The skip is a select fused into the inner update (the inner update is
     computed and discarded on a skipped step): under `jax.jit`, each new state
@@ -187,8 +358,12 @@ def loss_scaling(
     read of the gradients, for the finiteness check, and nothing more (see
     BENCHMARKS.md).
 
+    Integer and boolean params are not trained by optax; an inner state leaf that
+    starts in such a dtype (Adam's moments of an integer param) keeps it.
+
     Args:
-      inner: the optax transformation to wrap (an optimizer or a chain).
+      inner: the optax transformation to wrap (an optimizer or a chain). It must
+        not itself contain `loss_scaling` (or `mixed_precision`): `init` raises.
       loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`
         (jmp's are converted). Default: ``DynamicLossScale(2**15)``.
       axis_name: for `shard_map` / `pmap` code where each device holds its own
@@ -196,6 +371,8 @@ def loss_scaling(
         finiteness decision is made, so that a NaN on one device skips the step on
         all of them. Not needed under `jax.jit` with sharded arrays, where the
         check already covers the global array.
+      check_outputs: also skip the step when the inner update's outputs are not
+        finite (see above). Off by default.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -204,6 +381,8 @@ def loss_scaling(
     Raises:
       TypeError: if `inner` is not an optax transformation or `loss_scale` is not
         a loss scale.
+      ValueError: from `init`, if `inner`'s state already holds a
+        `LossScalingState` (the gradients would be unscaled twice).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxmp
@@ -221,10 +400,20 @@ def loss_scaling(
         if loss_scale is None
         else loss_scale_lib.as_loss_scale(loss_scale)
     )
+    if not isinstance(check_outputs, bool):
+        raise TypeError(f"`check_outputs` must be a bool, got {check_outputs!r}.")
 
     def init_fn(params):
+        inner_state = inner.init(params)
+        nested = _find_loss_scaling_states(inner_state)
+        if nested:
+            raise ValueError(
+                "`inner` must not contain jaxmp.loss_scaling (or jaxmp.mixed_precision), "
+                f"got one whose state is at {', '.join(nested)}: the gradients would be "
+                "unscaled twice. Wrap the optimizer once."
+            )
         return LossScalingState(
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             loss_scale=jax.tree.map(jnp.asarray, scale0),
             grads_finite=jnp.array(True),
             skipped_steps=jnp.zeros((), jnp.int32),
@@ -238,12 +427,28 @@ def loss_scaling(
                 f"got {type(state).__name__}."
             )
         if params is not None:
-            tree_lib.check_same_structure(updates, params, names=("grads", "params"))
+            _check_grads_match_params(updates, params)
         scale = state.loss_scale
-        grads = scale.unscale(casting.cast_tree(updates, dtypes.FLOAT32))
-        finite = _finite_across(tree_lib.all_finite(grads), axis_name)
-        new_updates, inner_state = _guarded_update(
-            inner, finite, grads, state.inner_state, params, extra_args
+        grads = _unscale(scale, updates)
+        checked: tuple[Any, ...] = (grads,)
+        if "grad" in extra_args:
+            extra_args = {**extra_args, "grad": _unscale(scale, extra_args["grad"])}
+            checked += (extra_args["grad"],)
+        if "value" in extra_args:
+            checked += (extra_args["value"],)
+        finite = _finite_across(tree_lib.all_finite(checked), axis_name)
+        grads = _zero_unless(finite, grads)
+        if "grad" in extra_args:
+            extra_args["grad"] = _zero_unless(finite, extra_args["grad"])
+        new_updates, inner_state, finite = _guarded_update(
+            inner,
+            finite,
+            grads,
+            state.inner_state,
+            params,
+            extra_args,
+            check_outputs=check_outputs,
+            axis_name=axis_name,
         )
         skipped = (~finite).astype(jnp.int32)
         new_state = LossScalingState(

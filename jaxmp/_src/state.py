@@ -6,8 +6,10 @@ from typing import Any
 
 import jax
 
+from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src.loss_scaling import LossScalingState
+from jaxmp._src.master_weights import MasterWeightsState
 
 
 def _unwrap(opt_state: Any) -> Any:
@@ -110,3 +112,64 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
         "skipped_steps": state.skipped_steps,
         "consecutive_skipped_steps": state.consecutive_skipped_steps,
     }
+
+
+def inner_state(opt_state: Any) -> Any:
+    """Returns the state of the optimizer that `loss_scaling` / `mixed_precision` wraps.
+
+    The ``inner_state`` of the `LossScalingState` inside `opt_state` and, when
+    `master_weights` sits in between (`mixed_precision` with half-precision
+    params), that of its `MasterWeightsState`: the state of the optax optimizer
+    you passed, for the helpers that read it (`optax.contrib.schedule_free_eval_params`,
+    `optax.tree.get`).
+
+    Raises:
+      ValueError: as `get_loss_scale`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.mixed_precision(optax.adam(1e-3), "p=f16,c=f16")
+      >>> type(jaxmp.inner_state(tx.init({"w": jnp.ones(2)}))[0]).__name__
+      'ScaleByAdamState'
+    """
+    state = loss_scaling_state(opt_state).inner_state
+    if isinstance(state, MasterWeightsState):
+        state = state.inner_state
+    return state
+
+
+def schedule_free_eval_params(opt_state: Any, params: Any) -> Any:
+    """`optax.contrib.schedule_free_eval_params` through jaxmp's wrappers.
+
+    With a master copy (`mixed_precision` with half-precision params), the
+    evaluation params are computed from the float32 master copy and cast to each
+    param's dtype; otherwise from `params`, as optax does.
+
+    Args:
+      opt_state: the state of ``loss_scaling(schedule_free(...))`` or
+        ``mixed_precision(schedule_free(...), policy)``, or an object holding it.
+      params: the current params (they give the structure and the dtypes).
+
+    Returns:
+      The params to evaluate the model with, in the dtypes of `params`.
+
+    Raises:
+      ValueError: if `opt_state` holds no loss-scaling state, or the wrapped
+        optimizer's state is not a ScheduleFreeState (optax's message).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.mixed_precision(optax.contrib.schedule_free_sgd(1.0), "p=f16,c=f16")
+      >>> params = {"w": jnp.ones(2, jnp.float16)}
+      >>> jaxmp.schedule_free_eval_params(tx.init(params), params)["w"].dtype
+      dtype('float16')
+    """
+    from optax import contrib  # noqa: PLC0415 (optax.contrib is not imported by optax)
+
+    state = loss_scaling_state(opt_state).inner_state
+    if not isinstance(state, MasterWeightsState):
+        return contrib.schedule_free_eval_params(state, params)
+    master = contrib.schedule_free_eval_params(state.inner_state, state.master)
+    return jax.tree.map(
+        lambda m, p: m.astype(p.dtype) if dtypes.is_floating(p) else p, master, params
+    )

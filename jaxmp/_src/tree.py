@@ -47,18 +47,62 @@ def _finite_rows(x: jax.Array) -> jax.Array:
     return jnp.isfinite(jnp.reshape(x, (-1, *row))).all(axis=axes)
 
 
+def all_true(masks: list[jax.Array]) -> jax.Array:
+    """Whether every element of every boolean array in `masks` is true, each read once.
+
+    Row by row like `all_finite` (see `_finite_rows`), so that XLA:CPU does not write
+    the masks out to reduce them.
+    """
+    small = [m.all() for m in masks if jnp.size(m) < _ROWS_FROM]
+    rows = []
+    for m in masks:
+        if jnp.size(m) >= _ROWS_FROM:
+            row = _row_shape(jnp.shape(m))
+            rows.append(jnp.reshape(m, (-1, *row)).all(axis=tuple(range(1, len(row) + 1))))
+    if rows:
+        small += [r.all() for r in jax.lax.optimization_barrier(rows)]
+    if not small:
+        return jnp.array(True)
+    return small[0] if len(small) == 1 else jnp.stack(small).all()
+
+
+def is_complex(x: object) -> bool:
+    """Whether `x` is an array (or array spec) with a complex floating-point dtype."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not hasattr(x, "shape"):
+        return False
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.complexfloating))
+    except TypeError:  # extended dtypes such as PRNG keys
+        return False
+
+
+def _checked_leaf(x: Any) -> Any:
+    """`x` as an array if its finiteness is in question (floating or complex), else None."""
+    if isinstance(x, (float, complex)):  # Python scalars: a NaN or inf is as bad in a float
+        return jnp.asarray(x)
+    if dtypes.is_floating(x) or is_complex(x):
+        return x
+    return None
+
+
 def all_finite(tree: Any) -> jax.Array:
     """Returns a scalar boolean array: whether every floating-point leaf is finite.
 
-    Integer and boolean leaves are always finite and are not read. An empty tree
-    is finite. Each floating leaf is read once.
+    Real and complex floating-point arrays are checked (a complex element is
+    finite when both its parts are), and so are Python floats and complex
+    numbers. Integer and boolean leaves are always finite and are not read;
+    other leaves (None, strings, functions) are ignored. An empty tree is
+    finite. Each checked leaf is read once.
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
       >>> jaxmp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
       Array(False, dtype=bool)
+      >>> jaxmp.all_finite({"z": jnp.array([1 + 1j]), "lr": float("nan")})
+      Array(False, dtype=bool)
     """
-    leaves = [x for x in jax.tree.leaves(tree) if dtypes.is_floating(x)]
+    leaves = [y for y in map(_checked_leaf, jax.tree.leaves(tree)) if y is not None]
     small = [jnp.isfinite(x).all() for x in leaves if jnp.size(x) < _ROWS_FROM]
     rows = [_finite_rows(x) for x in leaves if jnp.size(x) >= _ROWS_FROM]
     if rows:
