@@ -62,7 +62,7 @@ def test_cast_tree_shape_dtype_struct():
 def test_cast_tree_bad_dtype():
     with pytest.raises(ValueError, match="`dtype` must be a floating-point dtype, got int32"):
         jaxmp.cast_tree({"w": jnp.ones(2)}, jnp.int32)
-    with pytest.raises(ValueError, match="`dtype` got unknown dtype 'f8'"):
+    with pytest.raises(ValueError, match="Unknown dtype 'f8' in `dtype`"):
         jaxmp.cast_tree({"w": jnp.ones(2)}, "f8")
 
 

@@ -65,3 +65,19 @@ def test_errors():
         jaxmp.value_and_grad(lambda w: jnp.sum(w), has_aux=True)(1.0, jnp.ones(3))
     with pytest.raises(TypeError, match="`loss_scale` must be a jaxmp loss scale"):
         jaxmp.value_and_grad(lambda w: jnp.sum(w))("big", jnp.ones(3))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        ({"argnums": "a"}, TypeError, "`argnums` must be an int or a non-empty sequence"),
+        ({"argnums": ()}, TypeError, "`argnums`"),
+        ({"argnums": (0, 1.0)}, TypeError, "`argnums`"),
+        ({"argnums": True}, TypeError, "`argnums`"),
+        ({"argnums": (0, 0)}, ValueError, "`argnums` must not repeat"),
+        ({"has_aux": "yes"}, TypeError, "`has_aux` must be a bool"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        jaxmp.value_and_grad(lambda w: jnp.sum(w), **kwargs)

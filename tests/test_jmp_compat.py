@@ -44,8 +44,6 @@ def test_jmp_positional_parameters_accepted(name):
         for p in inspect.signature(getattr(jaxmp, name)).parameters.values()
         if p.kind is p.POSITIONAL_OR_KEYWORD
     ]
-    if name == "get_policy":
-        theirs = ["spec"]  # jmp calls it policy_name; positional use is the same
     assert ours[: len(theirs)] == theirs
 
 
@@ -91,3 +89,16 @@ def test_jmp_readme_loop_runs_the_same_with_jaxmp():
 
 def test_half_dtype_matches():
     assert jaxmp.half_dtype() == real_jmp.half_dtype()
+    # jmp's README scales by `jmp.half_dtype()(2**15)`: the dtype is a callable scalar type.
+    assert jaxmp.half_dtype()(2**15).dtype == real_jmp.half_dtype()(2**15).dtype
+
+
+def test_get_policy_keyword_is_jmps():
+    assert jaxmp.get_policy(policy_name="c=f16") == jaxmp.Policy(jnp.float32, jnp.float16)
+
+
+def test_jmp_select_tree_error_is_an_assertion_error():
+    with pytest.raises(AssertionError, match="expected boolean scalar"):
+        jaxmp.select_tree(jnp.ones([1]), None, None)
+    with pytest.raises(ValueError, match="`pred` must be a scalar boolean"):
+        jaxmp.select_tree("yes", {"a": jnp.ones(1)}, {"a": jnp.ones(1)})

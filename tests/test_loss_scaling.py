@@ -253,3 +253,16 @@ def test_accepts_jmp_loss_scales():
         ),
         jaxmp.NoOpLossScale,
     )
+
+
+@pytest.mark.parametrize("axis_name", [123, ("data", 1), (), b"data", {"data"}])
+def test_bad_axis_name_fails_at_construction(axis_name):
+    with pytest.raises(TypeError, match="`axis_name` must be None, a mapped axis name"):
+        jaxmp.loss_scaling(optax.sgd(0.1), axis_name=axis_name)
+    with pytest.raises(TypeError, match="`axis_name` must be None"):
+        jaxmp.mixed_precision(optax.sgd(0.1), "mixed_float16", axis_name=axis_name)
+
+
+@pytest.mark.parametrize("axis_name", ["data", ("data", "model"), ["data"]])
+def test_axis_names_are_accepted(axis_name):
+    jaxmp.loss_scaling(optax.sgd(0.1), axis_name=axis_name)

@@ -86,7 +86,7 @@ def test_trains_like_float32(policy_name):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="`spec` got unknown policy 'fp8'"):
+    with pytest.raises(ValueError, match="Unknown dtype or policy name 'fp8' in `policy`"):
         jaxmp.mixed_precision(optax.sgd(0.1), "fp8")
     with pytest.raises(TypeError, match="`inner` must be an optax.GradientTransformation"):
         jaxmp.mixed_precision("adam", "f32")

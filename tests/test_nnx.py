@@ -164,7 +164,7 @@ def test_set_policy_keeps_batch_stats_float32():
     ("args", "error", "match"),
     [
         ((jnp.ones(2), "float16"), TypeError, "`model` must be an nnx.Module, got ArrayImpl"),
-        ((MLP(nnx.Rngs(0)), "float12"), ValueError, "`spec` got unknown policy"),
+        ((MLP(nnx.Rngs(0)), "float12"), ValueError, "'float12' in `policy`"),
         ((MLP(nnx.Rngs(0)), "float16", {int: "float32"}), TypeError, "nnx.*Module subclasses"),
         ((MLP(nnx.Rngs(0)), "float16", {"/norm": "x"}), ValueError, r"`overrides\['/norm'\]`"),
     ],

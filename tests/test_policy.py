@@ -1,6 +1,8 @@
 import jax
 import jax.numpy as jnp
 import jmp
+import numpy as np
+import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -81,7 +83,7 @@ def test_get_policy_errors_name_the_token(spec, fragment):
         jaxmp.get_policy(spec)
     message = str(info.value)
     assert fragment in message
-    assert "spec" in message
+    assert "`policy_name`" in message
 
 
 def test_get_policy_error_lists_choices():
@@ -90,7 +92,7 @@ def test_get_policy_error_lists_choices():
 
 
 def test_get_policy_type_error():
-    with pytest.raises(TypeError, match="`spec` must be a policy string"):
+    with pytest.raises(TypeError, match="`policy_name` must be a policy string"):
         jaxmp.get_policy(16)
 
 
@@ -170,3 +172,69 @@ def test_matches_jmp(spec):
     assert ours.param_dtype == theirs.param_dtype
     assert ours.compute_dtype == theirs.compute_dtype
     assert ours.output_dtype == theirs.output_dtype
+
+
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [
+        ("mixed_flaot16", "mixed_float16"),
+        ("mixed_bfloat61", "mixed_bfloat16"),
+        ("bflaot16", "bfloat16"),
+        ("flaot32", "float32"),
+        ("p=f32,c=flaot16", "float16"),
+        ("p=f32,comptue=f16", "compute"),
+    ],
+)
+def test_misspelt_policy_suggests_the_closest_name(typo, suggestion):
+    with pytest.raises(ValueError, match=f"Did you mean '{suggestion}'"):
+        jaxmp.get_policy(typo)
+
+
+def test_errors_name_the_argument_the_user_wrote():
+    with pytest.raises(ValueError, match="`policy`.*Did you mean 'mixed_float16'"):
+        jaxmp.mixed_precision(optax.sgd(0.1), policy="mixed_flaot16")
+    with pytest.raises(ValueError, match="`policy`"):
+        jaxmp.autocast(lambda x: x, "mixed_flaot16")
+    with pytest.raises(TypeError, match="`policy` must be a policy string"):
+        jaxmp.mixed_precision(optax.sgd(0.1), policy=None)
+    with pytest.raises(ValueError, match="Unknown dtype"):  # jmp's words, kept
+        jaxmp.get_policy("compute_float16")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, np.float16, jnp.dtype("bfloat16"), jnp.float32])
+def test_a_dtype_means_the_same_as_its_name(dtype):
+    name = jnp.dtype(dtype).name
+    assert jaxmp.get_policy(dtype) == jaxmp.get_policy(name) == jaxmp.Policy(dtype)
+    tx = jaxmp.mixed_precision(optax.sgd(0.1), dtype)
+    assert jaxmp.get_loss_scale(tx.init({"w": jnp.ones(2)})) == jaxmp.default_loss_scale(name)
+
+
+@pytest.mark.parametrize("bad", [None, float, int, bool, complex])
+def test_none_and_python_types_are_not_float64(bad):
+    # jnp.dtype(None) and jnp.dtype(float) are float64: never what these arguments mean.
+    with pytest.raises(TypeError, match="`param_dtype` must be a floating-point dtype"):
+        jaxmp.Policy(bad)
+    with pytest.raises(TypeError, match="`dtype` must be a floating-point dtype"):
+        jaxmp.cast_tree({"w": jnp.ones(2)}, bad)
+    with pytest.raises(TypeError, match="`dtype` must be a floating-point dtype"):
+        jaxmp.master_weights(optax.sgd(0.1), dtype=bad)
+    if bad is not None:  # None is the documented default of compute_dtype and output_dtype
+        with pytest.raises(TypeError, match="`compute_dtype` must be a floating-point dtype"):
+            jaxmp.Policy(jnp.float32, bad)
+
+
+def test_python_float_type_error_says_what_to_pass():
+    with pytest.raises(TypeError, match=r"Python's `float`.*jnp\.float32"):
+        jaxmp.Policy(float)
+
+
+def test_dtype_to_names_takes_any_dtype_like():
+    for dtype in (np.float16, jnp.float16, jnp.dtype("float16"), "float16"):
+        assert jaxmp.dtype_to_names[dtype][0] == "f16"
+    assert jaxmp.dtype_to_names[jnp.float32][0] == "f32"
+    assert (
+        str(jaxmp.Policy(jnp.bfloat16)).split(",")[0]
+        == "p=" + jaxmp.dtype_to_names[jnp.bfloat16][0]
+    )
+    with pytest.raises(KeyError):
+        jaxmp.dtype_to_names[jnp.int32]

@@ -203,7 +203,7 @@ def test_batches_depend_only_on_seed_and_step():
     ("overrides", "message"),
     [
         (("colour=red",), "unknown config key `colour`; valid keys are: name, precision"),
-        (("precision=f17",), "config key `precision`: `spec` got unknown policy 'f17'"),
+        (("precision=f17",), "config key `precision`: Unknown dtype or policy name 'f17'"),
         (("precision=p=f16,c=int8",), "config key `precision`"),
         (("loss_scale=sometimes",), "`loss_scale` must be one of auto, dynamic, static, none"),
         (("steps=-1",), "config key `steps` must be > 0, got -1"),

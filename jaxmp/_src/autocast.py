@@ -699,20 +699,6 @@ def _resolve_ops(low: Any, f32: Any) -> tuple[frozenset[str], frozenset[str]]:
     return low_names, f32_names
 
 
-def _as_policy(policy: Any) -> policy_lib.Policy:
-    if isinstance(policy, policy_lib.Policy):
-        return policy
-    if not isinstance(policy, str):
-        raise TypeError(
-            "`policy` must be a jaxmp.Policy or a policy string such as 'mixed_float16' or "
-            f"'mixed_bfloat16', got {policy!r}."
-        )
-    try:
-        return policy_lib.get_policy(policy)
-    except ValueError as e:
-        raise ValueError(f"`policy` is not a valid policy string: {e}") from None
-
-
 def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
@@ -879,8 +865,9 @@ def autocast(
     must not be touched in `float32_region`. Flax NNX modules among the arguments are
     handled like ``nnx.jit`` does: variables the call updates (BatchNorm statistics,
     ``nnx.Rngs`` counters) are written back, in their own dtypes. The result composes
-    with ``jax.jit``, ``jax.grad`` and ``jax.vmap`` in any order. Call it under ``jax.jit``: called eagerly it
-    compiles itself once per argument signature, but under an eager ``jax.grad`` or
+    with ``jax.jit``, ``jax.grad`` and ``jax.vmap`` in any order. Call it under
+    ``jax.jit``: called eagerly it compiles itself once per argument signature, but under
+    an eager ``jax.grad`` or
     ``jax.vmap`` it re-traces on every call. Non-array arguments (Python scalars, strings,
     flags such as ``deterministic=True``) are static: they are baked into the trace.
 
@@ -919,7 +906,7 @@ def autocast(
     """
     if not callable(fun):
         raise TypeError(f"`fun` must be callable, got {fun!r}.")
-    policy = _as_policy(policy)
+    policy = policy_lib.as_policy(policy, arg="policy")
     low, f32 = _resolve_ops(low_precision_ops, float32_ops)
     return Autocast(fun, policy, low, f32)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,23 +27,38 @@ HALF_DTYPES: tuple[np.dtype, ...] = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloa
 FLOAT32: np.dtype = jnp.dtype(jnp.float32)
 
 
+def dtype_names() -> tuple[str, ...]:
+    """Every accepted dtype name except ``"half"``."""
+    return tuple(_NAME_TO_DTYPE)
+
+
 def valid_dtype_names() -> str:
     """Returns the accepted dtype names, for error messages."""
     return ", ".join(repr(n) for n in (*_NAME_TO_DTYPE, "half"))
 
 
-def half_dtype() -> np.dtype:
+def did_you_mean(token: str, choices: Iterable[str]) -> str:
+    """`` Did you mean 'x'?`` for the choice closest to a misspelt `token`, or ``""``."""
+    close = difflib.get_close_matches(token, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def half_dtype() -> Any:
     """Returns the half-precision dtype for the default backend.
 
-    bfloat16 on TPU, float16 everywhere else (jmp's rule).
+    bfloat16 on TPU, float16 everywhere else (jmp's rule). As in jmp, the result
+    is the scalar type (`jnp.float16` or `jnp.bfloat16`), which compares equal
+    to the `numpy.dtype` and can be called: ``jaxmp.half_dtype()(2**15)``.
 
     Example:
-      >>> import jaxmp
-      >>> jaxmp.half_dtype()  # on CPU and GPU
-      dtype('float16')
+      >>> import jax.numpy as jnp, jaxmp
+      >>> jaxmp.half_dtype() == jnp.float16  # on CPU and GPU
+      True
+      >>> float(jaxmp.half_dtype()(2**15))
+      32768.0
     """
     platform = jax.local_devices()[0].platform
-    return jnp.dtype(jnp.bfloat16 if platform == "tpu" else jnp.float16)
+    return jnp.bfloat16 if platform == "tpu" else jnp.float16
 
 
 def canonical_name(dtype: np.dtype) -> str:
@@ -53,19 +72,26 @@ def parse_dtype(value: str, *, arg: str = "dtype") -> np.dtype:
     Case and surrounding spaces are ignored.
 
     Raises:
-      ValueError: naming `arg`, the bad token and the valid names.
+      ValueError: naming `arg`, the bad token, the closest valid name and the
+        valid names (the message starts with jmp's "Unknown dtype").
     """
     if not isinstance(value, str):
         raise TypeError(f"`{arg}` must be a dtype name string, got {value!r}.")
     token = value.strip().lower()
     if token == "half":
-        return half_dtype()
+        return jnp.dtype(half_dtype())
     try:
         return _NAME_TO_DTYPE[token]
     except KeyError:
+        hint = did_you_mean(token, [*dtype_names(), "half"])
         raise ValueError(
-            f"`{arg}` got unknown dtype {value!r}; valid names are {valid_dtype_names()}."
+            f"Unknown dtype {value!r} in `{arg}`.{hint} Valid names are {valid_dtype_names()}."
         ) from None
+
+
+# Python's own types: `jnp.dtype(float)` is float64 and `jnp.dtype(None)` is float64 too,
+# which is never what a mixed-precision argument means.
+_PYTHON_TYPES = {float: "float", int: "int", complex: "complex", bool: "bool"}
 
 
 def as_float_dtype(value: object, *, arg: str) -> np.dtype:
@@ -73,23 +99,53 @@ def as_float_dtype(value: object, *, arg: str) -> np.dtype:
 
     Raises:
       TypeError / ValueError: naming `arg` when `value` is not one of the supported
-        floating-point dtypes (float16, bfloat16, float32, float64).
+        floating-point dtypes (float16, bfloat16, float32, float64), including
+        ``None`` and Python's ``float`` (which NumPy would read as float64).
     """
     if isinstance(value, str):
         return parse_dtype(value, arg=arg)
+    choices = f"{', '.join(d.name for d in SUPPORTED_DTYPES)} (or a name: {valid_dtype_names()})"
+    if value is None:
+        raise TypeError(f"`{arg}` must be a floating-point dtype, got None; valid: {choices}.")
+    if isinstance(value, type) and value in _PYTHON_TYPES:
+        raise TypeError(
+            f"`{arg}` must be a floating-point dtype, got Python's `{_PYTHON_TYPES[value]}` "
+            "type, which NumPy reads as a 64-bit dtype; pass jnp.float32 (or 'f32') for "
+            f"float32. Valid: {choices}."
+        )
     try:
         dtype = jnp.dtype(value)  # type: ignore[call-overload]
     except TypeError:
         raise TypeError(
-            f"`{arg}` must be a floating-point dtype, got {value!r}; valid choices are "
-            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)} or one of {valid_dtype_names()}."
+            f"`{arg}` must be a floating-point dtype, got {value!r}; valid: {choices}."
         ) from None
     if dtype not in _DTYPE_NAMES:
-        raise ValueError(
-            f"`{arg}` must be a floating-point dtype, got {dtype}; valid choices are "
-            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}."
-        )
+        raise ValueError(f"`{arg}` must be a floating-point dtype, got {dtype}; valid: {choices}.")
     return dtype
+
+
+class _DtypeNames(Mapping):
+    """jmp's ``dtype_to_names``: names of each dtype, looked up by any dtype-like."""
+
+    def __getitem__(self, key: Any) -> tuple[str, ...]:
+        try:
+            return _DTYPE_NAMES[jnp.dtype(key)]
+        except TypeError:
+            raise KeyError(key) from None
+
+    def __iter__(self) -> Iterator[np.dtype]:
+        return iter(_DTYPE_NAMES)
+
+    def __len__(self) -> int:
+        return len(_DTYPE_NAMES)
+
+    def __repr__(self) -> str:
+        return repr({d.name: n for d, n in _DTYPE_NAMES.items()})
+
+
+#: The names of each supported dtype, canonical name first (jmp's ``dtype_to_names``);
+#: keys may be any dtype-like (``np.float16``, ``jnp.float16``, ``np.dtype("float16")``).
+dtype_to_names: Mapping[Any, tuple[str, ...]] = _DtypeNames()
 
 
 def is_floating(x: object) -> bool:

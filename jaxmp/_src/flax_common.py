@@ -58,7 +58,7 @@ def module_policies(
     Raises:
       TypeError / ValueError: naming ``policy`` or the bad ``overrides`` entry.
     """
-    policy = policy_lib.get_policy(policy)
+    policy = policy_lib.as_policy(policy, arg="policy")
     if overrides is None:
         overrides = {}
     if not isinstance(overrides, Mapping):
@@ -87,12 +87,7 @@ def module_policies(
                 "`overrides` keys must be module classes or module-path regex strings, "
                 f"got {key!r}."
             )
-        try:
-            value_policy = policy_lib.get_policy(value)
-        except (TypeError, ValueError) as e:
-            raise type(e)(
-                f"`overrides[{key!r}]` must be a jaxmp.Policy or a policy string: {e}"
-            ) from None
+        value_policy = policy_lib.as_policy(value, arg=f"overrides[{key!r}]")
         pairs.append((matcher, value_policy))
     return ModulePolicies(default=policy, overrides=tuple(pairs))
 

@@ -50,6 +50,25 @@ def scaled_loss_fn(
     return scaled
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_argnums(argnums: Any) -> int | tuple[int, ...]:
+    """`argnums` if it is an int or a non-empty sequence of distinct ints; else a TypeError."""
+    if _is_int(argnums):
+        return argnums
+    if isinstance(argnums, Sequence) and not isinstance(argnums, str) and argnums:
+        if all(_is_int(a) for a in argnums):
+            if len(set(argnums)) != len(argnums):
+                raise ValueError(f"`argnums` must not repeat an index, got {argnums!r}.")
+            return tuple(argnums)
+    raise TypeError(
+        f"`argnums` must be an int or a non-empty sequence of ints (positions of the "
+        f"arguments to differentiate), got {argnums!r}."
+    )
+
+
 def value_and_grad(
     fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any]]:
@@ -70,6 +89,10 @@ def value_and_grad(
       The function ``g``; `loss_scale` is a `LossScale` (as returned by
       `jaxmp.get_loss_scale`) or a scalar.
 
+    Raises:
+      TypeError / ValueError: naming the argument, for a `fun` that is not callable,
+        `argnums` that are not ints and a `has_aux` that is not a bool.
+
     Example:
       >>> import jax.numpy as jnp, jaxmp
       >>> loss_fn = lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32)
@@ -79,6 +102,9 @@ def value_and_grad(
     """
     if not callable(fun):
         raise TypeError(f"`fun` must be callable, got {fun!r}.")
+    argnums = _check_argnums(argnums)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
 
     def g(loss_scale, *args, **kwargs):
         scaled = scaled_loss_fn(fun, as_loss_scale_object(loss_scale), has_aux)

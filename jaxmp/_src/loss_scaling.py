@@ -45,6 +45,22 @@ def as_transformation(inner: Any, *, arg: str = "inner") -> optax.GradientTransf
     return optax.with_extra_args_support(inner)
 
 
+def check_axis_name(axis_name: Any, *, arg: str = "axis_name") -> Any:
+    """`axis_name` if it is None, a string or a non-empty tuple of strings; else a TypeError."""
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if (
+        isinstance(axis_name, (tuple, list))
+        and axis_name
+        and all(isinstance(n, str) for n in axis_name)
+    ):
+        return tuple(axis_name)
+    raise TypeError(
+        f"`{arg}` must be None, a mapped axis name (a string, as given to `shard_map`'s mesh "
+        f"or `pmap`) or a tuple of them, got {axis_name!r}."
+    )
+
+
 def _finite_across(finite: jax.Array, axis_name: Any) -> jax.Array:
     if axis_name is None:
         return finite
@@ -302,7 +318,7 @@ def _check_grads_match_params(grads: Any, params: Any) -> None:
         params = params.fast
     treedef = jax.tree.structure(grads, is_leaf=lambda x: x is None)
     try:
-        treedef.flatten_up_to(params)
+        treedef.flatten_up_to(params)  # type: ignore[attr-defined]
     except (ValueError, TypeError):
         tree_lib.check_same_structure(grads, params, names=("grads", "params"))
         raise
@@ -379,8 +395,8 @@ def loss_scaling(
       `LossScalingState`.
 
     Raises:
-      TypeError: if `inner` is not an optax transformation or `loss_scale` is not
-        a loss scale.
+      TypeError: if `inner` is not an optax transformation, `loss_scale` is not
+        a loss scale or `axis_name` is not a string or tuple of strings.
       ValueError: from `init`, if `inner`'s state already holds a
         `LossScalingState` (the gradients would be unscaled twice).
 
@@ -402,6 +418,7 @@ def loss_scaling(
     )
     if not isinstance(check_outputs, bool):
         raise TypeError(f"`check_outputs` must be a bool, got {check_outputs!r}.")
+    axis_name = check_axis_name(axis_name)
 
     def init_fn(params):
         inner_state = inner.init(params)

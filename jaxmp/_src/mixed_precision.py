@@ -25,7 +25,7 @@ def default_loss_scale(policy: policy_lib.Policy | str) -> loss_scale_lib.LossSc
       >>> type(jaxmp.default_loss_scale("mixed_bfloat16")).__name__
       'NoOpLossScale'
     """
-    policy = policy_lib.get_policy(policy)
+    policy = policy_lib.as_policy(policy, arg="policy")
     if policy.needs_loss_scaling:
         return loss_scale_lib.DynamicLossScale(2.0**15)
     return loss_scale_lib.NoOpLossScale()
@@ -68,7 +68,7 @@ def mixed_precision(
       Array(32768., dtype=float32)
     """
     inner = as_transformation(inner)
-    policy = policy_lib.get_policy(policy)
+    policy = policy_lib.as_policy(policy, arg="policy")
     if loss_scale is None:
         loss_scale = default_loss_scale(policy)
     else:

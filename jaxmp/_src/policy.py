@@ -137,7 +137,7 @@ def _valid_grammar() -> str:
     )
 
 
-def get_policy(spec: str | Policy) -> Policy:
+def get_policy(policy_name: str | Policy) -> Policy:
     """Parses a policy string (jmp's grammar plus Keras' names).
 
     Accepted forms (case and spaces are ignored):
@@ -149,17 +149,20 @@ def get_policy(spec: str | Policy) -> Policy:
     * jmp's ``"p=f32,c=f16,o=f32"`` with keys ``p``/``params``, ``c``/``compute``,
       ``o``/``output``: params default to f32, compute to params, output to compute.
 
-    A `Policy` passes through unchanged.
+    A `Policy` passes through unchanged, and a floating-point dtype means the
+    same as its name (``jnp.float16`` is ``"float16"``: everything in float16).
 
     Args:
-      spec: the policy string, or a `Policy`.
+      policy_name: the policy string, a `Policy` or a floating-point dtype
+        (jmp's keyword name).
 
     Returns:
       The `Policy`.
 
     Raises:
-      ValueError: naming the bad token and listing the valid choices.
-      TypeError: if `spec` is neither a string nor a `Policy`.
+      ValueError: naming the bad token, the closest valid name and the valid
+        choices (the message starts with jmp's "Unknown dtype").
+      TypeError: if `policy_name` is none of the above.
 
     Example:
       >>> import jaxmp
@@ -167,39 +170,59 @@ def get_policy(spec: str | Policy) -> Policy:
       Policy('p=f32,c=bf16,o=bf16')
       >>> jaxmp.get_policy("mixed_float16")
       Policy('p=f32,c=f16,o=f32')
+      >>> jaxmp.get_policy("mixed_flaot16")
+      Traceback (most recent call last):
+      ...
+      ValueError: Unknown dtype or policy name 'mixed_flaot16'... Did you mean 'mixed_float16'?...
     """
-    if isinstance(spec, Policy):
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"`spec` must be a policy string or a jaxmp.Policy, got {spec!r}.")
-    text = "".join(spec.split()).lower()
+    return as_policy(policy_name, arg="policy_name")
+
+
+def as_policy(value: object, *, arg: str) -> Policy:
+    """`get_policy` for an argument the user named `arg` (`policy`, say): errors name it."""
+    if isinstance(value, Policy):
+        return value
+    if not isinstance(value, str):
+        try:
+            dtype = dtypes.as_float_dtype(value, arg=arg)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"`{arg}` must be a policy string (such as 'mixed_float16' or "
+                f"'mixed_bfloat16'), a jaxmp.Policy or a floating-point dtype, got {value!r}."
+            ) from None
+        return Policy(dtype, dtype, dtype)
+    text = "".join(value.split()).lower()
     if not text:
-        raise ValueError(f"`spec` is empty; expected {_valid_grammar()}.")
+        raise ValueError(f"`{arg}` is empty; expected {_valid_grammar()}.")
     if text in _KERAS_NAMES:
         return Policy(*(dtypes.parse_dtype(n) for n in _KERAS_NAMES[text]))
     if "=" not in text:
         try:
-            dtype = dtypes.parse_dtype(text, arg="spec")
+            dtype = dtypes.parse_dtype(text, arg=arg)
         except ValueError:
+            names = [*_KERAS_NAMES, *dtypes.dtype_names(), "half"]
             raise ValueError(
-                f"`spec` got unknown policy {spec!r}; expected {_valid_grammar()}."
+                f"Unknown dtype or policy name {value!r} in `{arg}`."
+                f"{dtypes.did_you_mean(text, names)} Expected {_valid_grammar()}."
             ) from None
         return Policy(dtype, dtype, dtype)
     parts: dict[str, np.dtype] = {}
     for part in text.split(","):
-        key, sep, value = part.partition("=")
+        key, sep, name = part.partition("=")
         if not sep or key not in _KEYS:
+            hint = dtypes.did_you_mean(key, _KEYS) if sep else ""
             raise ValueError(
-                f"`spec` {spec!r} has bad part {part!r}: keys must be one of "
-                f"{', '.join(repr(k) for k in _KEYS)}; expected {_valid_grammar()}."
+                f"`{arg}` {value!r} has bad part {part!r}: keys must be one of "
+                f"{', '.join(repr(k) for k in _KEYS)}.{hint} Expected {_valid_grammar()}."
             )
         if _KEYS[key] in parts:
-            raise ValueError(f"`spec` {spec!r} sets the {_KEYS[key]} dtype twice.")
+            raise ValueError(f"`{arg}` {value!r} sets the {_KEYS[key]} dtype twice.")
         try:
-            parts[_KEYS[key]] = dtypes.parse_dtype(value, arg="spec")
+            parts[_KEYS[key]] = dtypes.parse_dtype(name, arg=arg)
         except ValueError:
             raise ValueError(
-                f"`spec` {spec!r} has unknown dtype {value!r} for key {key!r}; valid names "
+                f"Unknown dtype {name!r} for key {key!r} in `{arg}` {value!r}."
+                f"{dtypes.did_you_mean(name, [*dtypes.dtype_names(), 'half'])} Valid names "
                 f"are {dtypes.valid_dtype_names()}."
             ) from None
     param = parts.get("param", jnp.dtype(jnp.float32))

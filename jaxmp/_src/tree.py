@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.tree_util import keystr
 
 from jaxmp._src import dtypes
@@ -116,12 +117,33 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.stack(small).all()
 
 
+class ScalarBoolError(ValueError, AssertionError):
+    """A predicate that is not a scalar boolean.
+
+    A ValueError, and also an AssertionError because jmp asserts this (code that
+    catches jmp's error keeps working with ``import jaxmp as jmp``).
+    """
+
+
 def check_scalar_bool(pred: Any, *, arg: str) -> jax.Array:
-    """Validates that `pred` is a scalar boolean array-like and returns it as an array."""
-    shape = jnp.shape(pred)
-    dtype = jnp.result_type(pred)
+    """Validates that `pred` is a scalar boolean (array or Python bool) and returns an array.
+
+    Raises:
+      ScalarBoolError: naming `arg` and what was given.
+    """
+    if isinstance(pred, (bool, np.bool_)):
+        return jnp.asarray(pred)
+    if not (hasattr(pred, "dtype") and hasattr(pred, "shape")):
+        raise ScalarBoolError(
+            f"`{arg}` must be a scalar boolean array, got {pred!r} ({type(pred).__name__}); "
+            "expected boolean scalar."
+        )
+    shape, dtype = jnp.shape(pred), jnp.dtype(pred.dtype)
     if shape != () or dtype != jnp.bool_:
-        raise ValueError(f"`{arg}` must be a scalar boolean, got shape {shape} and dtype {dtype}.")
+        raise ScalarBoolError(
+            f"`{arg}` must be a scalar boolean, got shape {shape} and dtype {dtype}; "
+            "expected boolean scalar."
+        )
     return jnp.asarray(pred)
 
 
@@ -166,8 +188,9 @@ def select_tree(pred: jax.typing.ArrayLike, a: T, b: T) -> T:
       A pytree of the structure of `a`.
 
     Raises:
-      ValueError: if `pred` is not a scalar boolean, or the trees differ (the
-        message names the first differing leaf).
+      ValueError: if `pred` is not a scalar boolean (the error is also an
+        AssertionError, which jmp raises there), or the trees differ (the message
+        names the first differing leaf).
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
