@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -170,7 +171,25 @@ def _with_loss_scaling(
     leaves = jax.tree_util.tree_leaves(
         abstract, is_leaf=lambda x: isinstance(x, MasterWeightsState)
     )
-    if any(isinstance(leaf, MasterWeightsState) for leaf in leaves):
+    has_master = any(isinstance(leaf, MasterWeightsState) for leaf in leaves)
+    try:
+        return _wrapped(tx, policy, has_master)
+    except TypeError:  # an unhashable transformation: wrap it afresh
+        return _wrapped.__wrapped__(tx, policy, has_master)
+
+
+@functools.lru_cache(maxsize=256)
+def _wrapped(
+    tx: optax.GradientTransformation, policy: policy_lib.Policy, has_master: bool
+) -> optax.GradientTransformation:
+    """`tx` wrapped for `policy`, the same object for the same arguments.
+
+    `TrainState.tx` is static pytree metadata: creating a state twice from the same
+    arguments (under `jax.eval_shape`, then under `jax.jit` with ``out_shardings``, as
+    Flax's lm1b example does) must give equal metadata, so a fresh wrapper per call
+    would not do.
+    """
+    if has_master:
         return loss_scaling(tx, default_loss_scale(policy))
     return mixed_precision(tx, policy)
 
@@ -250,7 +269,7 @@ class TrainState(train_state.TrainState):
           >>> state.params["kernel"].dtype, state.loss_scale.loss_scale
           (dtype('float16'), Array(32768., dtype=float32))
         """
-        policy = policy_lib.get_policy(policy)
+        policy = policy_lib.as_policy(policy, arg="policy")
         params_with_opt, overwrite = _split_overwrite(params)
         tx = _with_loss_scaling(tx, policy, params_with_opt)
         opt_state = tx.init(params_with_opt)

@@ -384,3 +384,28 @@ def test_nested_policy_scopes_innermost_wins():
     assert calls["layers_0"]["__call__"][0].dtype == jnp.bfloat16
     assert calls["layers_1"]["__call__"][0].dtype == F16
     assert y.dtype == F32
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [optax.adam(1e-3), jaxmp.master_weights(optax.adam(1e-3))],
+    ids=["plain", "master_weights"],
+)
+def test_create_twice_gives_the_same_tree(tx):
+    """Flax's lm1b creates the state under `jax.eval_shape`, then under `jax.jit` with
+    `out_shardings` built from the abstract state: both must have the same tree."""
+    model = nn.Dense(2)
+    x = jnp.ones((1, 3))
+
+    def create():
+        params = model.init(jax.random.key(0), x)["params"]
+        return jaxmp.linen.TrainState.create(
+            apply_fn=model.apply, params=params, tx=tx, policy="mixed_float16"
+        )
+
+    abstract = jax.eval_shape(lambda: create())
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: sharding, abstract)
+    state = jax.jit(lambda: create(), out_shardings=shardings)()
+    assert jax.tree.structure(state) == jax.tree.structure(abstract)
+    assert state.tx == create().tx
