@@ -365,7 +365,8 @@ def test_mixed_computed_inputs_promote_to_widest():
         return low + high, low * 2.0, low + w[0]
 
     jaxpr = autocast_jaxpr(f, "c=f16,o=f16")(jnp.ones((3, 3)), jnp.ones((2, 3)))
-    assert [jnp.dtype(v.aval.dtype) for v in jaxpr.jaxpr.outvars] == [F16, F16, F16]
+    # The float32 sum is not narrowed to the output dtype (see `test_output_dtypes`).
+    assert [jnp.dtype(v.aval.dtype) for v in jaxpr.jaxpr.outvars] == [F32, F16, F16]
     adds = eqns_named(jaxpr, "add")
     # float16 + float32 computed: float32; float16 + float32 input row: float16.
     assert [out_dtypes(e)[0] for e in adds] == [F32, F16]
@@ -439,6 +440,25 @@ def test_policy_string_or_object():
     import jaxmp
 
     assert autocast(jnp.sin, jaxmp.Policy(F32, F16, F16)).policy.output_dtype == F16
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "c=f16,o=f16", "c=bf16,o=bf16"])
+def test_output_dtypes(policy):
+    """Outputs go to the output dtype, except a value computed in the plain call's dtype is
+    never narrowed: a float32 statistic or updated state keeps float32."""
+
+    def f(w, x, running_var):
+        h = x @ w
+        var = jnp.var(h, axis=0)
+        return h, var, 0.5 * running_var + 0.5 * var, x.astype(jnp.float16) @ w.astype(F16)
+
+    w, x = jnp.eye(3), jnp.asarray([[400.0, 1.0, 2.0], [-400.0, 3.0, 4.0]])
+    output_dtype = {"f16": F16, "bf16": BF16}.get(policy.split("o=")[-1], F32)
+    h, var, new_var, h16 = jax.jit(autocast(f, policy))(w, x, jnp.ones(3))
+    assert h.dtype == output_dtype  # computed in the compute dtype: the output dtype
+    assert var.dtype == new_var.dtype == F32  # computed in float32 as in the plain call
+    assert float(var[0]) == 160000.0  # inf in float16
+    assert h16.dtype == output_dtype  # the plain call's float16 is widened to an output f32
 
 
 def test_eager_calls_trace_once_per_signature():

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
+import jaxmp
 from jaxmp._src.autocast import autocast
 from tests.conftest import F32, HALF_DTYPES, assert_close
 
@@ -185,7 +186,73 @@ def test_flax_attention_mask_gives_the_float32_answer(dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# State updates made inside an autocast function come out as in the plain call.
+# State updates made inside an autocast function come out as in the plain call: the same
+# values within the compute dtype's tolerance and the same dtypes, under every policy (also
+# those whose output dtype is half: BatchNorm's running variance of a 61440 activation is
+# 6e8, inf in float16).
+
+STATE_POLICIES = ["mixed_float16", "mixed_bfloat16", "c=f16,o=f16", "c=bf16,o=bf16"]
+
+
+def state_batch():
+    """A float32 model's batch: a row whose activations reach 400 (above 256), one whose
+    first activation is 61440 (above 60000; float16's max is 65504), and rows of multiples
+    of 1/2. With `state_kernel`, the half-precision matmul is exact."""
+    x = ((np.arange(6 * 8) % 9 - 4) / 2).astype(np.float32).reshape(6, 8)
+    x[:2] = 0.0
+    x[0, 3] = 400.0
+    x[1, 5] = 61440.0
+    return jnp.asarray(x)
+
+
+def exact_kernel(shape=(8, 16)):
+    """Multiples of 1/4 in [-0.75, 0.75]: products and sums exact in float16 and bfloat16."""
+    i, j = np.indices(shape)
+    return jnp.asarray((((3 * i + 5 * j) % 7 - 3) / 4).astype(np.float32))
+
+
+def state_kernel():
+    """`exact_kernel` with weight 1 from the large inputs to feature 0 (activations 400, 61440)."""
+    kernel = np.array(exact_kernel())
+    kernel[3, 0] = kernel[5, 0] = 1.0
+    return jnp.asarray(kernel)
+
+
+def test_state_batch_has_the_large_activations():
+    h = state_batch() @ state_kernel()
+    assert float(h[0, 0]) == 400.0 and float(jnp.max(jnp.abs(h[0]))) > 256.0
+    assert float(h[1, 0]) == 61440.0 and float(jnp.max(jnp.abs(h[2:]))) < 256.0
+
+
+def compute_dtype(policy):
+    return jaxmp.get_policy(policy).compute_dtype
+
+
+def assert_same_state_leaves(leaves, ref_leaves, dtype):
+    """Same dtypes; floating values within `dtype`'s tolerance, the rest exactly."""
+    for leaf, ref in zip(leaves, ref_leaves, strict=True):
+        if jnp.issubdtype(ref.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(jax.random.key_data(leaf), jax.random.key_data(ref))
+            continue
+        assert leaf.dtype == ref.dtype
+        if jnp.issubdtype(ref.dtype, jnp.floating):
+            assert bool(jnp.all(jnp.isfinite(leaf))), leaf
+            assert_close(leaf, ref, dtype)
+        else:  # counters, flags: exactly
+            np.testing.assert_array_equal(leaf, ref)
+
+
+def assert_output_matches(out, expected, policy):
+    """The output equals the float32 call within the compute dtype's tolerance.
+
+    The models end in BatchNorm (and Dropout), which autocast computes in float32 like the
+    plain call: the output stays float32 under every policy, a half output dtype included.
+    """
+    assert out.dtype == F32
+    assert bool(jnp.all(jnp.isfinite(out))), out
+    # The same dropout mask where there is one.
+    np.testing.assert_array_equal(out == 0, expected == 0)
+    assert_close(out, expected, compute_dtype(policy))
 
 
 class NnxBatchNormDropout(nnx.Module):
@@ -198,61 +265,43 @@ class NnxBatchNormDropout(nnx.Module):
         return self.drop(self.norm(self.linear(x)))
 
 
-def nnx_batch():
-    """Multiples of 1/2: with `exact_kernel`, the float16 matmul is exact."""
-    return jnp.asarray(((np.arange(6 * 8) % 9 - 4) / 2).astype(np.float32).reshape(6, 8))
-
-
-def exact_kernel(shape=(8, 16)):
-    """Multiples of 1/4 in [-0.75, 0.75]: products and sums exact in float16 and bfloat16."""
-    i, j = np.indices(shape)
-    return jnp.asarray((((3 * i + 5 * j) % 7 - 3) / 4).astype(np.float32))
+def nnx_models():
+    """The model under test and a reference with the same params and Rngs."""
+    models = NnxBatchNormDropout(nnx.Rngs(0)), NnxBatchNormDropout(nnx.Rngs(0))
+    for model in models:
+        model.linear.kernel[...] = state_kernel()
+    return models
 
 
 def assert_same_nnx_state(model, reference, dtype):
     state = nnx.state(model)
     ref_state = nnx.state(reference)
     assert jax.tree.structure(state) == jax.tree.structure(ref_state)
-    for leaf, ref in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
-        if jnp.issubdtype(ref.dtype, jax.dtypes.prng_key):
-            np.testing.assert_array_equal(jax.random.key_data(leaf), jax.random.key_data(ref))
-            continue
-        assert leaf.dtype == ref.dtype
-        if jnp.issubdtype(ref.dtype, jnp.floating):
-            assert_close(leaf, ref, dtype)
-        else:  # counters: exactly
-            np.testing.assert_array_equal(leaf, ref)
+    assert_same_state_leaves(jax.tree.leaves(state), jax.tree.leaves(ref_state), dtype)
 
 
+@pytest.mark.parametrize("policy", STATE_POLICIES)
 @pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "nnx_jit"])
-def test_nnx_batch_norm_statistics_and_rngs_counter_update(under_jit):
-    dtype = jnp.dtype(jnp.float16)
-    model = NnxBatchNormDropout(nnx.Rngs(0))
-    reference = NnxBatchNormDropout(nnx.Rngs(0))
-    model.linear.kernel[...] = reference.linear.kernel[...] = exact_kernel()
-    forward = autocast(lambda m, x: m(x), "mixed_float16")
+def test_nnx_batch_norm_statistics_and_rngs_counter_update(under_jit, policy):
+    model, reference = nnx_models()
+    forward = autocast(lambda m, x: m(x), policy)
     if under_jit:
         forward = nnx.jit(forward)
     plain = nnx.jit(lambda m, x: m(x))
-    x = nnx_batch()
+    x = state_batch()
     for step in range(2):
         out = forward(model, x + step)
         expected = plain(reference, x + step)
-        assert out.dtype == expected.dtype
-        # The same dropout mask (the Rngs counter advanced as in the plain call).
-        np.testing.assert_array_equal(out == 0, expected == 0)
-        assert_close(out, expected, dtype)
-        assert_same_nnx_state(model, reference, dtype)
+        assert_output_matches(out, expected, policy)
+        assert_same_nnx_state(model, reference, compute_dtype(policy))
     assert int(model.drop.rngs.count[...]) == 2
-    assert not np.allclose(model.norm.mean[...], 0.0)
+    assert float(model.norm.var[...][0]) > 65504.0  # beyond float16, kept float32
 
 
 def test_nnx_state_updates_inside_nnx_grad():
     """autocast inside an NNX training step: the statistics update through nnx.grad."""
     dtype = jnp.dtype(jnp.float16)
-    model = NnxBatchNormDropout(nnx.Rngs(0))
-    reference = NnxBatchNormDropout(nnx.Rngs(0))
-    model.linear.kernel[...] = reference.linear.kernel[...] = exact_kernel()
+    model, reference = nnx_models()
 
     def make_step(apply):
         @nnx.jit
@@ -261,8 +310,8 @@ def test_nnx_state_updates_inside_nnx_grad():
 
         return step
 
-    grads = make_step(autocast(lambda m, x: m(x), "mixed_float16"))(model, nnx_batch())
-    ref_grads = make_step(lambda m, x: m(x))(reference, nnx_batch())
+    grads = make_step(autocast(lambda m, x: m(x), "mixed_float16"))(model, state_batch())
+    ref_grads = make_step(lambda m, x: m(x))(reference, state_batch())
     assert_same_nnx_state(model, reference, dtype)
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
@@ -277,56 +326,88 @@ class LinenBatchNormDropout(nn.Module):
         return nn.Dropout(0.5, deterministic=not train)(x)
 
 
-def test_linen_mutable_collections_update():
-    dtype = jnp.dtype(jnp.float16)
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_linen_mutable_collections_update(policy):
     model = LinenBatchNormDropout()
-    x = nnx_batch()
+    x = state_batch()
     variables = model.init(jax.random.key(0), x, train=False)
-    variables["params"]["Dense_0"]["kernel"] = exact_kernel()
+    variables["params"]["Dense_0"]["kernel"] = state_kernel()
 
     def forward(variables, x, key):
         return model.apply(variables, x, train=True, mutable=["batch_stats"], rngs={"dropout": key})
 
     key = jax.random.key(1)
-    out, updates = jax.jit(autocast(forward, "mixed_float16"))(variables, x, key)
-    expected, ref_updates = jax.jit(forward)(variables, x, key)
-    np.testing.assert_array_equal(out == 0, expected == 0)
-    assert_close(out, expected, dtype)
-    assert jax.tree.structure(updates) == jax.tree.structure(ref_updates)
-    for leaf, ref in zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates), strict=True):
-        assert leaf.dtype == ref.dtype
-        assert_close(leaf, ref, dtype)
+    for step in range(2):
+        out, updates = jax.jit(autocast(forward, policy))(variables, x + step, key)
+        expected, ref_updates = jax.jit(forward)(variables, x + step, key)
+        assert_output_matches(out, expected, policy)
+        assert jax.tree.structure(updates) == jax.tree.structure(ref_updates)
+        assert_same_state_leaves(
+            jax.tree.leaves(updates), jax.tree.leaves(ref_updates), compute_dtype(policy)
+        )
+        variables = {**variables, **ref_updates}
+    assert float(updates["batch_stats"]["BatchNorm_0"]["var"][0]) > 65504.0
 
 
-def test_equinox_state_updates():
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_equinox_state_updates(policy):
     eqx = pytest.importorskip("equinox", reason="equinox is an optional test dependency")
-    dtype = jnp.dtype(jnp.float16)
 
     class Model(eqx.Module):
         linear: eqx.nn.Linear
         norm: eqx.nn.BatchNorm
+        drop: eqx.nn.Dropout
 
         def __init__(self, key):
             self.linear = eqx.nn.Linear(8, 16, key=key)
             self.norm = eqx.nn.BatchNorm(16, axis_name="batch", momentum=0.5, mode="ema")
+            self.drop = eqx.nn.Dropout(0.5)
 
-        def __call__(self, x, state):
-            return self.norm(self.linear(x), state)
+        def __call__(self, x, state, key):
+            x, state = self.norm(self.linear(x), state)
+            return self.drop(x, key=key), state
 
     model, state = eqx.nn.make_with_state(Model)(jax.random.key(0))
-    model = eqx.tree_at(lambda m: m.linear.weight, model, exact_kernel().T)
+    model = eqx.tree_at(lambda m: m.linear.weight, model, state_kernel().T)
+    model = eqx.tree_at(lambda m: m.linear.bias, model, jnp.zeros(16))
 
-    def forward(model, state, x):
-        return jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+    def forward(model, state, x, key):
+        keys = jax.random.split(key, x.shape[0])
+        return jax.vmap(model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None))(
+            x, state, keys
+        )
 
-    x = nnx_batch()
-    out, new_state = eqx.filter_jit(autocast(forward, "mixed_float16"))(model, state, x)
-    expected, ref_state = eqx.filter_jit(forward)(model, state, x)
-    assert_close(out, expected, dtype)
-    assert jax.tree.structure(new_state) == jax.tree.structure(ref_state)
-    for leaf, ref in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state), strict=True):
-        assert leaf.dtype == ref.dtype
-        if jnp.issubdtype(ref.dtype, jnp.floating):
-            assert_close(leaf, ref, dtype)
-        else:
-            np.testing.assert_array_equal(leaf, ref)
+    x, key = state_batch(), jax.random.key(1)
+    for step in range(2):
+        out, new_state = eqx.filter_jit(autocast(forward, policy))(model, state, x + step, key)
+        expected, ref_state = eqx.filter_jit(forward)(model, state, x + step, key)
+        assert_output_matches(out, expected, policy)
+        assert jax.tree.structure(new_state) == jax.tree.structure(ref_state)
+        assert_same_state_leaves(
+            jax.tree.leaves(new_state), jax.tree.leaves(ref_state), compute_dtype(policy)
+        )
+        state = ref_state
+    running_var = [leaf for leaf in jax.tree.leaves(new_state) if leaf.ndim == 1][1]
+    assert float(running_var[0]) > 65504.0
+
+
+def test_linen_attention_cache_round_trip():
+    """A decoding cache (computed in the compute dtype) comes back in the output dtype,
+    float32 under mixed_float16, so it can be fed to the next step as in the plain call."""
+    model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, decode=True)
+    x = jnp.asarray(np.linspace(-1.0, 1.0, 3 * 8, dtype=np.float32).reshape(1, 3, 8))
+    variables = model.init(jax.random.key(0), x, x)
+
+    def step(variables, token):
+        return model.apply(variables, token, token, mutable=["cache"])
+
+    cast_step, plain_step = jax.jit(autocast(step, "mixed_float16")), jax.jit(step)
+    cast_vars, plain_vars = variables, variables
+    for i in range(3):
+        out, cache = cast_step(cast_vars, x[:, i : i + 1])
+        expected, ref_cache = plain_step(plain_vars, x[:, i : i + 1])
+        assert out.dtype == F32
+        assert_close(out, expected, jnp.float16)
+        assert jax.tree.structure(cache) == jax.tree.structure(ref_cache)
+        assert_same_state_leaves(jax.tree.leaves(cache), jax.tree.leaves(ref_cache), jnp.float16)
+        cast_vars, plain_vars = {**variables, **cache}, {**variables, **ref_cache}

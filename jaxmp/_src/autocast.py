@@ -699,6 +699,21 @@ def _resolve_ops(low: Any, f32: Any) -> tuple[frozenset[str], frozenset[str]]:
     return low_names, f32_names
 
 
+def _output_dtype(computed: Any, traced: Any, output_dtype: np.dtype) -> np.dtype:
+    """The dtype of a floating output: `output_dtype`, unless that would narrow a value
+    autocast computed in the plain call's own dtype.
+
+    Such a value (a float32 loss or statistic, BatchNorm's running variance in a Linen
+    mutable collection or an Equinox `State`) keeps the dtype of the plain call: narrowed to
+    a half output dtype, state fed back to the next call would no longer match the model's
+    variables, and a running variance of activations above 256 would be inf in float16.
+    """
+    computed, traced = jnp.dtype(computed), jnp.dtype(traced)
+    if computed == traced and output_dtype.itemsize < computed.itemsize:
+        return computed
+    return output_dtype
+
+
 def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
@@ -827,7 +842,12 @@ class Autocast:
         )
         outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, dynamic, [True] * len(dynamic), ctx)
         n = num_out[0]
-        outs = [_cast(x, self.policy.output_dtype) if _is_float(x) else x for x in outs[:n]] + [
+        outs = [
+            _cast(x, _output_dtype(x.dtype, v.aval.dtype, self.policy.output_dtype))
+            if _is_float(x) and _is_float_dtype(v.aval.dtype)
+            else x
+            for x, v in zip(outs[:n], closed.jaxpr.outvars[:n], strict=True)
+        ] + [
             # Updated state keeps the dtype of the plain call, not the output dtype.
             _cast(x, v.aval.dtype) if _is_float(x) and _is_float_dtype(v.aval.dtype) else x
             for x, v in zip(outs[n:], closed.jaxpr.outvars[n:], strict=True)
@@ -855,7 +875,14 @@ def autocast(
     (float32 parameters and inputs adapt to the activation dtype they meet; computed
     activations promote to the widest). The module documentation of
     ``jaxmp._src.autocast`` spells the rules out; `LOW_PRECISION_OPS` and `FLOAT32_OPS` hold
-    the default lists. Floating outputs are cast to ``policy.output_dtype``. Parameters are
+    the default lists. Floating outputs are cast to ``policy.output_dtype``, except that an
+    output autocast computed in the dtype the plain call gives it is never narrowed: under a
+    policy whose output dtype is half, float32 losses and statistics, normalisation outputs
+    and updated state (Linen ``mutable`` collections, an Equinox ``State``) stay float32 as
+    in the plain call (under the ``mixed_*`` policies, whose output dtype is float32, every
+    floating output of a float32 function is float32). Returned state that autocast
+    computes in the compute dtype (a Linen attention cache) gets the output dtype: feed
+    such state back only under a policy whose output dtype is the state's. Parameters are
     used as given (``policy.param_dtype`` is not applied): float32 parameters are cast where
     they are used.
 
@@ -867,9 +894,9 @@ def autocast(
     ``nnx.Rngs`` counters) are written back, in their own dtypes. The result composes
     with ``jax.jit``, ``jax.grad`` and ``jax.vmap`` in any order. Call it under
     ``jax.jit``: called eagerly it compiles itself once per argument signature, but under
-    an eager ``jax.grad`` or
-    ``jax.vmap`` it re-traces on every call. Non-array arguments (Python scalars, strings,
-    flags such as ``deterministic=True``) are static: they are baked into the trace.
+    an eager ``jax.grad`` or ``jax.vmap`` it re-traces on every call. Non-array arguments
+    (Python scalars, strings, flags such as ``deterministic=True``) are static: they are
+    baked into the trace.
 
     Args:
       fun: the function to run, written for float32 (or any dtype).
