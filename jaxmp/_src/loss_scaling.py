@@ -116,20 +116,34 @@ def _zero_unless(finite: jax.Array, tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def _keep_integer_dtypes(new: Any, old: Any) -> Any:
-    """Casts new state leaves back to the dtype of old integer and boolean leaves.
+def _keep_state_dtypes(new: Any, old: Any) -> Any:
+    """Casts new inner state leaves back to the dtype of the old leaves they replace.
 
-    optax's moments of an integer or boolean param start in that dtype
-    (``zeros_like(param)``) and turn into float32 at the first update; such params
-    are not trained, and their state keeps its dtype so that the state is stable.
+    optax starts a state leaf in its param's dtype (``zeros_like(param)``), and the
+    inner update computes it from the widened gradients: Adam's moments of a float16
+    or bfloat16 param turn into float32, those of an integer or boolean param (not
+    trained) into float32. Each keeps the dtype it started with, as plain optax on
+    gradients of the param's dtype keeps it, so that the state is stable in dtype (and
+    a jitted step traces once). Only floating to floating, complex to complex, and
+    anything to an integer or boolean leaf is cast; any other change is reported by the
+    caller.
     """
+
+    def kind(dtype: Any) -> str:
+        if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
+            return "int"
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            return "complex"
+        return "float" if jnp.issubdtype(dtype, jnp.floating) else "other"
 
     def leaf(n, o):
         if not (_is_array(n) and _is_array(o)) or jnp.dtype(n.dtype) == jnp.dtype(o.dtype):
             return n
-        if jnp.issubdtype(o.dtype, jnp.integer) or jnp.issubdtype(o.dtype, jnp.bool_):
-            if jnp.shape(n) == jnp.shape(o):
-                return n.astype(o.dtype)
+        if jnp.shape(n) != jnp.shape(o):
+            return n
+        old_kind = kind(o.dtype)
+        if old_kind == "int" or (old_kind in ("float", "complex") and kind(n.dtype) == old_kind):
+            return n.astype(o.dtype)
         return n
 
     try:
@@ -190,7 +204,7 @@ def _guarded_update(
             # below, which raises the same error if the update itself is at fault.
             pass
     new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
-    new_inner = _keep_integer_dtypes(new_inner, inner_state)
+    new_inner = _keep_state_dtypes(new_inner, inner_state)
     if check_outputs:
         # With finite params, ``params + updates`` is finite only if the updates are.
         outputs = (new_inner, new_updates if params is None else _applied(params, new_updates))
@@ -234,7 +248,7 @@ def _update_selecting_at_source(
         new_updates, new_state = inner.update(
             jax.tree.unflatten(g_def, g), jax.tree.unflatten(s_def, s), params, **extra_args
         )
-        return new_updates, _keep_integer_dtypes(new_state, inner_state)
+        return new_updates, _keep_state_dtypes(new_state, inner_state)
 
     closed, (u_shape, s_shape) = jax.make_jaxpr(run, return_shape=True)(g_leaves, s_leaves)
     tree_lib.check_same_structure(
@@ -374,8 +388,11 @@ def loss_scaling(
     read of the gradients, for the finiteness check, and nothing more (see
     BENCHMARKS.md).
 
-    Integer and boolean params are not trained by optax; an inner state leaf that
-    starts in such a dtype (Adam's moments of an integer param) keeps it.
+    The inner state keeps the dtypes it was initialised with: Adam's moments of
+    float16 or bfloat16 params (without `master_weights`) are computed in float32
+    from the unscaled gradients and stored in their param's dtype, as plain optax
+    on half-precision gradients stores them. Integer and boolean params are not
+    trained by optax; an inner state leaf that starts in such a dtype keeps it.
 
     Args:
       inner: the optax transformation to wrap (an optimizer or a chain). It must

@@ -69,9 +69,12 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
     """Returns the current loss scale from anywhere inside an optimizer state.
 
     Works on the state of `loss_scaling` / `mixed_precision` nested in optax
-    chains, `named_chain`, `MultiSteps`, `inject_hyperparams` and the like, and
-    on objects holding it in an ``opt_state`` attribute (Flax train states,
-    NNX optimizers).
+    chains, `named_chain`, `partition` and the like, and on objects holding it
+    in an ``opt_state`` attribute (Flax train states, NNX optimizers). Finding it
+    is all this does: `loss_scaling` itself belongs outermost, followed at most by
+    transformations of its updates, and by none when a master copy is kept
+    (wrappers such as `optax.MultiSteps` or `optax.apply_if_finite` around it hide
+    overflows from the scaler; see README, "Composition").
 
     Args:
       opt_state: an optimizer state, or an object with an ``opt_state``.
@@ -86,7 +89,7 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
-      >>> tx = optax.chain(optax.clip(1.0), jaxmp.loss_scaling(optax.sgd(0.1)))
+      >>> tx = optax.chain(jaxmp.loss_scaling(optax.sgd(0.1)), optax.clip(1.0))
       >>> jaxmp.get_loss_scale(tx.init({"w": jnp.ones(2)})).loss_scale
       Array(32768., dtype=float32)
     """
