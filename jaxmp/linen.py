@@ -53,7 +53,8 @@ def _interceptor(policies: flax_common.ModulePolicies):
             return next_fun(*args, **kwargs)
         module = context.module
         path = module.scope.path if module.scope is not None else ()
-        policy = policies.policy_for(module, path)
+        override = policies.override_for(module, path)
+        policy = policies.default if override is None else override
         # A bound Linen module is a frozen dataclass, private to this `apply`/`init`
         # call. Setting its dtype attributes for the duration of the method (and
         # restoring them after, so a module bound with `.bind` does not keep them)
@@ -65,9 +66,15 @@ def _interceptor(policies: flax_common.ModulePolicies):
             (flax_common.DTYPE_ATTR, policy.compute_dtype),
             (flax_common.PARAM_DTYPE_ATTR, policy.param_dtype),
         ):
-            if flax_common.has_field(module, attr):
-                saved[attr] = getattr(module, attr)
-                object.__setattr__(module, attr, value)
+            if not flax_common.has_field(module, attr):
+                continue
+            if override is None and flax_common.is_explicit(module, attr):
+                # The module's own `dtype=` (Flax's examples pass `dtype=config.dtype`)
+                # wins over the scope's default policy; only an override naming the
+                # module replaces it.
+                continue
+            saved[attr] = getattr(module, attr)
+            object.__setattr__(module, attr, value)
         depth = getattr(_local, "depth", 0)
         _local.depth = depth + 1
         try:
@@ -94,14 +101,27 @@ def policy_scope(
 
     Inside the scope, each Flax module that has a ``dtype`` attribute computes in
     its policy's compute dtype and each one with a ``param_dtype`` attribute
-    creates its params (at ``init``) in its policy's param dtype, whatever its
-    code says; the outermost module call returns ``policy.output_dtype``. A
-    module's policy is that of the first entry of `overrides` that matches it,
-    else `policy`. Keys of `overrides` are module classes (matched with
-    `isinstance`, e.g. ``nn.LayerNorm``) or regexes fully matching the module
-    path written ``"/Block_0/LayerNorm_1"`` (e.g. ``r".*/LayerNorm_\\d+"``);
-    values are `jaxmp.Policy` objects or policy strings. In nested scopes the
-    innermost one alone applies.
+    creates its params (at ``init``) in its policy's param dtype; the outermost
+    module call returns ``policy.output_dtype``. A module's policy is that of the
+    first entry of `overrides` that matches it, else `policy`. Keys of
+    `overrides` are module classes (matched with `isinstance`, e.g.
+    ``nn.LayerNorm``) or regexes fully matching the module path written
+    ``"/Block_0/LayerNorm_1"`` (e.g. ``r".*/LayerNorm_\\d+"``); values are
+    `jaxmp.Policy` objects or policy strings. In nested scopes the innermost one
+    alone applies.
+
+    A module's own ``dtype=`` or ``param_dtype=`` wins over `policy`: the scope
+    fills in what the model leaves at the field's default (``dtype=None`` on
+    Flax's layers, "infer from the inputs"), and keeps a value the model sets
+    (``nn.Dense(4, dtype=jnp.float32)``, or ``dtype=config.dtype`` as in Flax's
+    examples). A value equal to the field's default (``param_dtype=jnp.float32``
+    on Flax's layers) is not told apart from it. An entry of `overrides` that
+    matches the module wins over its own dtypes too. So a model that already
+    takes its dtypes from a config needs no scope at all: give it the policy's
+    (``dtype=policy.compute_dtype, param_dtype=policy.param_dtype``). A module
+    that passes its own defaulted ``dtype`` down (``Block(dtype=self.dtype)``)
+    gets the policy's, and its layers receive it explicitly, so a path override
+    on the block reaches them.
 
     Normalisation layers compute their statistics in at least float32 in any
     case (Flax upcasts them), and BatchNorm's ``batch_stats`` stay float32;

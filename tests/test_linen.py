@@ -409,3 +409,105 @@ def test_create_twice_gives_the_same_tree(tx):
     state = jax.jit(lambda: create(), out_shardings=shardings)()
     assert jax.tree.structure(state) == jax.tree.structure(abstract)
     assert state.tx == create().tx
+
+
+# ---------------------------------------------------------------------------------------------
+# policy_scope and a module's explicit dtype: the module's own `dtype=` / `param_dtype=` wins
+# over the scope's policy; an `overrides` entry matching the module wins over both.
+
+
+class Configured(nn.Module):
+    """Layers given their dtypes explicitly, as Flax's examples do (``dtype=config.dtype``)."""
+
+    layer_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, dtype=self.layer_dtype, name="explicit")(x)
+        x = nn.Dense(4, name="implicit")(x)
+        return nn.Dense(2, param_dtype=jnp.bfloat16, name="explicit_params")(x)
+
+
+def _call_dtypes(overrides=None, policy="mixed_float16"):
+    model = Configured()
+    x = jnp.ones((1, 3))
+    variables = model.init(jax.random.key(0), x)
+
+    def apply(variables, x):
+        with jaxmp.linen.policy_scope(policy, overrides):
+            return model.apply(variables, x, capture_intermediates=True)
+
+    y, state = jax.jit(apply)(variables, x)
+    calls = state["intermediates"]
+    return y, {name: calls[name]["__call__"][0].dtype for name in calls if name != "__call__"}
+
+
+def test_policy_scope_keeps_an_explicit_module_dtype():
+    y, calls = _call_dtypes()
+    assert calls == {"explicit": F32, "implicit": F16, "explicit_params": F16}
+    assert y.dtype == F32
+
+
+def test_policy_scope_override_wins_over_an_explicit_module_dtype():
+    _, calls = _call_dtypes({"/explicit": "float16"})
+    assert calls == {"explicit": F16, "implicit": F16, "explicit_params": F16}
+    _, calls = _call_dtypes({nn.Dense: "float32"})
+    assert calls == {"explicit": F32, "implicit": F32, "explicit_params": F32}
+
+
+def test_policy_scope_keeps_an_explicit_param_dtype_at_init():
+    model = Configured()
+
+    @jax.jit
+    def init(key):
+        with jaxmp.linen.policy_scope("float16"):
+            return model.init(key, jnp.ones((1, 3)))
+
+    dtypes = jax.tree.map(lambda a: a.dtype, init(jax.random.key(0))["params"])
+    assert dtypes["explicit"] == {"kernel": F16, "bias": F16}  # only `dtype` was given
+    assert dtypes["implicit"] == {"kernel": F16, "bias": F16}
+    assert dtypes["explicit_params"] == {"kernel": jnp.bfloat16, "bias": jnp.bfloat16}
+
+
+class PassesDown(nn.Module):
+    """A block that passes its own ``dtype`` (default None) down to its layers."""
+
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.LayerNorm(dtype=self.dtype)(nn.Dense(4, dtype=self.dtype)(x))
+
+
+class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(PassesDown(name="block")(x))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (None, {"block": F16, "dense": F16, "norm": F16, "head": F16}),
+        ({"/block": "float32"}, {"block": F32, "dense": F32, "norm": F32, "head": F16}),
+        ({nn.LayerNorm: "float32"}, {"block": F32, "dense": F16, "norm": F32, "head": F16}),
+    ],
+    ids=["default", "parent-path", "child-class"],
+)
+def test_policy_scope_fills_in_a_dtype_passed_down_from_a_default(overrides, expected):
+    """A block whose ``dtype`` is left at its default gets the policy's and passes it down;
+    a path override on the block reaches the layers it gives its dtype to."""
+    model = Outer()
+    x = jnp.ones((1, 3))
+    variables = model.init(jax.random.key(0), x)
+    with jaxmp.linen.policy_scope("mixed_float16", overrides):
+        _, state = model.apply(variables, x, capture_intermediates=True)
+    calls = state["intermediates"]
+    block = calls["block"]
+    dtypes = {
+        "block": block["__call__"][0].dtype,
+        "dense": block["Dense_0"]["__call__"][0].dtype,
+        "norm": block["LayerNorm_0"]["__call__"][0].dtype,
+        "head": calls["Dense_0"]["__call__"][0].dtype,
+    }
+    assert dtypes == expected

@@ -7,6 +7,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from jaxmp._src import policy as policy_lib
 
 # The attributes a Flax module (Linen or NNX) reads for its compute and param dtypes.
@@ -33,7 +35,8 @@ class ModulePolicies:
     default: policy_lib.Policy
     overrides: tuple[tuple[type | re.Pattern, policy_lib.Policy], ...]
 
-    def policy_for(self, module: Any, path: Sequence[Any]) -> policy_lib.Policy:
+    def override_for(self, module: Any, path: Sequence[Any]) -> policy_lib.Policy | None:
+        """The policy of the first override matching the module, or None."""
         path_str = None
         for key, policy in self.overrides:
             if isinstance(key, type):
@@ -44,7 +47,11 @@ class ModulePolicies:
                     path_str = path_string(path)
                 if key.fullmatch(path_str):
                     return policy
-        return self.default
+        return None
+
+    def policy_for(self, module: Any, path: Sequence[Any]) -> policy_lib.Policy:
+        override = self.override_for(module, path)
+        return self.default if override is None else override
 
 
 def module_policies(
@@ -97,3 +104,32 @@ def has_field(module: Any, name: str) -> bool:
     if dataclasses.is_dataclass(module):
         return any(f.name == name for f in dataclasses.fields(module))
     return name in vars(module)
+
+
+def _same_dtype(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    try:
+        return jnp.dtype(a) == jnp.dtype(b)
+    except TypeError:  # not a dtype: compare as given
+        return bool(a == b)
+
+
+def is_explicit(module: Any, name: str) -> bool:
+    """Whether the dataclass field `name` of `module` holds a value other than its default.
+
+    A Linen module's ``dtype`` or ``param_dtype`` given explicitly (``nn.Dense(4,
+    dtype=jnp.float32)``, or ``dtype=config.dtype`` as in Flax's examples) is kept by
+    `jaxmp.linen.policy_scope`. A value equal to the field's default (``param_dtype=
+    jnp.float32`` on most Flax modules) cannot be told from the default and is not explicit.
+    """
+    for field in dataclasses.fields(module):
+        if field.name == name:
+            if field.default is not dataclasses.MISSING:
+                default = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()
+            else:  # a required field: always given explicitly
+                return True
+            return not _same_dtype(getattr(module, name), default)
+    return False
