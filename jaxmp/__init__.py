@@ -15,7 +15,7 @@ from jaxmp._src.autocast import (
 from jaxmp._src.casting import cast_to_full, cast_to_half, cast_tree
 from jaxmp._src.distributed import pmean_in_float32, psum_in_float32, state_shardings
 from jaxmp._src.dtypes import dtype_to_names, half_dtype
-from jaxmp._src.grad import value_and_grad
+from jaxmp._src.grad import filter_value_and_grad, value_and_grad
 from jaxmp._src.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -66,6 +66,7 @@ __all__ = (
     "cast_tree",
     "default_loss_scale",
     "dtype_to_names",
+    "filter_value_and_grad",
     "get_loss_scale",
     "get_policy",
     "half_dtype",

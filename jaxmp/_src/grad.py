@@ -1,4 +1,5 @@
-"""`value_and_grad`: gradients of the scaled loss, value of the unscaled one."""
+"""`value_and_grad` and `filter_value_and_grad`: gradients of the scaled loss, value of the
+unscaled one."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmp._src import loss_scale as loss_scale_lib
 
@@ -69,6 +71,41 @@ def _check_argnums(argnums: Any) -> int | tuple[int, ...]:
     )
 
 
+def is_inexact_array(x: Any) -> bool:
+    """Whether `x` is a floating or complex array: what the filtered path differentiates
+    (`equinox.is_inexact_array`)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and bool(
+        jnp.issubdtype(x.dtype, jnp.inexact)
+    )
+
+
+def _differentiable(x: Any) -> bool:
+    if isinstance(x, (float, complex)) and not isinstance(x, bool):
+        return True
+    return is_inexact_array(x)
+
+
+def _check_differentiable(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> None:
+    """A TypeError naming the first leaf of a differentiated argument that jax.grad refuses."""
+    for argnum in (argnums,) if isinstance(argnums, int) else argnums:
+        if argnum >= len(args):
+            continue  # jax.value_and_grad reports it
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args[argnum]):
+            if not _differentiable(leaf):
+                what = (
+                    f"an array of dtype {jnp.dtype(leaf.dtype)}"
+                    if hasattr(leaf, "dtype") and hasattr(leaf, "shape")
+                    else f"an object of type {type(leaf).__name__}"
+                )
+                raise TypeError(
+                    f"`fun`'s argument {argnum} must hold only floating arrays to "
+                    f"differentiate, got {what} at {jax.tree_util.keystr(path)}. For a "
+                    "tree with other leaves (an Equinox module, integer counters), use "
+                    "jaxmp.filter_value_and_grad, which differentiates the floating arrays "
+                    "of its first argument only."
+                )
+
+
 def value_and_grad(
     fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any]]:
@@ -107,9 +144,76 @@ def value_and_grad(
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
 
     def g(loss_scale, *args, **kwargs):
+        _check_differentiable(args, argnums)
         scaled = scaled_loss_fn(fun, as_loss_scale_object(loss_scale), has_aux)
         grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
         (_, value), grads = grad_fn(*args, **kwargs)
+        return value, grads
+
+    return g
+
+
+def filter_value_and_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """`jaxmp.value_and_grad` with Equinox's filtering (`equinox.filter_value_and_grad`).
+
+    Returns ``g(loss_scale, x, *args, **kwargs) -> (value, grads)``. The gradients are
+    taken with respect to the floating (and complex) arrays of the first positional
+    argument `x`, such as an Equinox module, whatever its other leaves are (activation
+    functions, integer arrays, Python scalars): `grads` has the structure of `x` with the
+    gradients of ``loss_scale.scale(loss)`` at those arrays and None at every other leaf,
+    as `equinox.filter_value_and_grad` gives, ready for the update of
+    `jaxmp.mixed_precision` (initialise it with ``equinox.filter(model,
+    equinox.is_inexact_array)``) and for `equinox.apply_updates`. `value` is `fun`'s own
+    output, unscaled. Equinox itself is not needed.
+
+    Args:
+      fun: the loss function ``fun(x, *args, **kwargs)``; returns a scalar (or
+        ``(scalar, aux)``).
+      has_aux: whether `fun` returns ``(loss, aux)``.
+
+    Returns:
+      The function ``g``; `loss_scale` is a `LossScale` (as returned by
+      `jaxmp.get_loss_scale`) or a scalar.
+
+    Raises:
+      TypeError: for a `fun` that is not callable or a `has_aux` that is not a bool; when
+        ``g`` is called without the first positional argument.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> model = {"w": jnp.ones(2), "activation": jnp.tanh}
+      >>> loss_fn = lambda m, x: jnp.sum(m["activation"](m["w"] * x))
+      >>> loss, grads = jaxmp.filter_value_and_grad(loss_fn)(1024.0, model, jnp.zeros(2))
+      >>> grads["w"], grads["activation"]
+      (Array([0., 0.], dtype=float32), None)
+    """
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {fun!r}.")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+
+    def g(loss_scale, *args, **kwargs):
+        if not args:
+            raise TypeError(
+                "jaxmp.filter_value_and_grad differentiates `fun`'s first positional "
+                "argument: call it as g(loss_scale, x, *args), with x positional."
+            )
+        x, rest = args[0], args[1:]
+        leaves, treedef = jax.tree.flatten(x)
+        mask = [is_inexact_array(leaf) for leaf in leaves]
+        diff = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
+        scaled = scaled_loss_fn(fun, as_loss_scale_object(loss_scale), has_aux)
+
+        def of_diff(diff, *rest, **kwargs):
+            it = iter(diff)
+            full = [next(it) if m else leaf for leaf, m in zip(leaves, mask, strict=True)]
+            return scaled(jax.tree.unflatten(treedef, full), *rest, **kwargs)
+
+        (_, value), diff_grads = jax.value_and_grad(of_diff, has_aux=True)(diff, *rest, **kwargs)
+        it = iter(diff_grads)
+        grads = jax.tree.unflatten(treedef, [next(it) if m else None for m in mask])
         return value, grads
 
     return g
