@@ -52,11 +52,19 @@ def set_policy(
     `jaxmp.Policy` objects or policy strings. Batch statistics and other
     non-param variables keep their dtype.
 
-    Create the optimizer *before* calling `set_policy` when the params become
-    float16 or bfloat16: then `jaxmp.master_weights` starts its float32 copy
-    from the exact float32 values. The model's output has the dtype its last
-    layer computes in; cast it with ``policy.cast_to_output`` (or compute the
-    loss in float32).
+    The optimizer may be created before or after `set_policy`. Its float32
+    master copy (`jaxmp.master_weights`, when the params become float16 or
+    bfloat16) starts from the params as they are when it is created: after
+    `set_policy`, the usual order, from the params rounded to the half dtype,
+    which for a random init is just another init and trains the same; before
+    it, from the exact float32 values, which keeps the float32 digits of
+    pretrained weights.
+
+    `set_policy` changes the modules, not the model's own code: the model's
+    output has the dtype its last layer computes in (float16 for a final
+    ``nnx.Linear`` under ``"mixed_float16"``). Cast it with
+    ``policy.cast_to_output(model(x))`` for the policy's output dtype, or
+    override the last layer to ``"float32"``.
 
     Args:
       model: the NNX module.

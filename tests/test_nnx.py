@@ -20,6 +20,8 @@ POLICIES = {
     "float32": "float32",
     "mixed_float16": "mixed_float16",
     "float16_params": "p=f16,c=f16,o=f32",
+    # The same, in the usual order: set_policy first, then the optimizer.
+    "float16_params_set_policy_first": "p=f16,c=f16,o=f32",
 }
 
 
@@ -44,12 +46,19 @@ class MLP(nnx.Module):
         return self.out(nnx.relu(self.norm(self.hidden(x))))
 
 
-def make(policy, seed=0, loss_scale=None, optimizer_cls=jaxmp.nnx.Optimizer):
-    """The model and optimizer; the optimizer first, so a master copy starts exact."""
+def make(
+    policy, seed=0, loss_scale=None, optimizer_cls=jaxmp.nnx.Optimizer, set_policy_first=False
+):
+    """The model and optimizer. Created before `set_policy`, the optimizer's master copy
+    starts from the float32 params; after it, from the params rounded to float16."""
     model = MLP(nnx.Rngs(seed))
     tx = jaxmp.mixed_precision(optax.adam(3e-3), policy, loss_scale)
-    optimizer = optimizer_cls(model, tx, wrt=nnx.Param)
-    jaxmp.nnx.set_policy(model, policy, OVERRIDES)
+    if set_policy_first:
+        jaxmp.nnx.set_policy(model, policy, OVERRIDES)
+        optimizer = optimizer_cls(model, tx, wrt=nnx.Param)
+    else:
+        optimizer = optimizer_cls(model, tx, wrt=nnx.Param)
+        jaxmp.nnx.set_policy(model, policy, OVERRIDES)
     return model, optimizer
 
 
@@ -84,7 +93,7 @@ def trained():
     indices = [rng.choice(1437, BATCH, replace=False) for _ in range(STEPS)]
     out = {}
     for name, policy in POLICIES.items():
-        model, optimizer = make(policy)
+        model, optimizer = make(policy, set_policy_first=name.endswith("set_policy_first"))
         losses, skipped = [], 0
         for idx in indices:
             loss, metrics = jit_train_step(model, optimizer, x_train[idx], y_train[idx], policy)
@@ -95,7 +104,9 @@ def trained():
     return out
 
 
-@pytest.mark.parametrize("name", ["mixed_float16", "float16_params"])
+@pytest.mark.parametrize(
+    "name", ["mixed_float16", "float16_params", "float16_params_set_policy_first"]
+)
 def test_mixed_precision_matches_float32_accuracy(trained, name):
     acc32 = trained["float32"][4]
     acc = trained[name][4]
@@ -230,3 +241,33 @@ def test_loss_scale_readers_accept_the_optimizer_and_its_state():
         assert float(metrics["loss_scale"]) == 4.0 and metrics["skipped_steps"].dtype == jnp.int32
     assert float(optimizer.loss_scale.loss_scale) == 4.0
     assert int(optimizer.metrics()["consecutive_skipped_steps"]) == 0
+
+
+@pytest.mark.parametrize("set_policy_first", [False, True], ids=["optimizer_first", "natural"])
+def test_master_copy_starts_from_the_params_the_optimizer_sees(set_policy_first):
+    """Both orders work. The master copy starts from the params as they are when the
+    optimizer is created: exactly the float32 init, or the init rounded to float16."""
+    init = MLP(nnx.Rngs(0))
+    init_kernel = np.asarray(init.hidden.kernel.get_value())
+    model, optimizer = make("p=f16,c=f16,o=f32", set_policy_first=set_policy_first)
+    assert model.hidden.kernel.get_value().dtype == F16
+    master = optimizer.opt_state.inner_state.master["hidden"]["kernel"].get_value()
+    assert master.dtype == F32
+    expected = (
+        init_kernel.astype(np.float16).astype(np.float32) if set_policy_first else init_kernel
+    )
+    np.testing.assert_array_equal(master, expected)
+    assert not np.array_equal(init_kernel.astype(np.float16).astype(np.float32), init_kernel)
+
+
+def test_outputs_have_the_last_layers_dtype_and_cast_to_output_gives_the_policys():
+    """set_policy changes the modules, not the model's own code: the output has the dtype
+    the last layer computes in; `policy.cast_to_output` gives the policy's output dtype."""
+    policy = jaxmp.get_policy("mixed_float16")
+    model = jaxmp.nnx.set_policy(MLP(nnx.Rngs(0)), policy, OVERRIDES)
+    x = jnp.ones((2, 64))
+    assert model(x).dtype == F16
+    assert policy.cast_to_output(model(x)).dtype == F32
+    # Overriding the last layer changes its compute dtype, so the output's.
+    jaxmp.nnx.set_policy(model, policy, {**OVERRIDES, "/out": "float32"})
+    assert model(x).dtype == F32
