@@ -60,6 +60,18 @@ def test_complex_gradients_are_unscaled_and_checked():
     assert updates["z"].tolist() == [0j, 0j] and updates["w"].tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_python_float_gradient_leaves_are_unscaled_and_checked(jit):
+    # A Python float gradient (an Equinox module's float field) is a number like any other.
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.StaticLossScale(4.0))
+    params = {"alpha": 0.5, "w": jnp.ones(2)}
+    update = jax.jit(tx.update) if jit else tx.update
+    updates, state = update({"alpha": 4.0, "w": jnp.full(2, 4.0)}, tx.init(params), params)
+    assert float(updates["alpha"]) == -1.0 and updates["alpha"].dtype == F32
+    updates, state = update({"alpha": float("inf"), "w": jnp.full(2, 4.0)}, state, params)
+    assert int(state.skipped_steps) == 1 and float(updates["alpha"]) == 0.0
+
+
 # --- extra arguments --------------------------------------------------------------------
 
 

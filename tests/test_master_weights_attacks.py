@@ -110,3 +110,20 @@ def test_integer_boolean_and_python_float_leaves():
     assert master["i"].dtype == jnp.int32 and master["b"].dtype == jnp.bool_
     _, state2 = step(grads, state, new)  # the state stays stable in structure and dtype
     chex.assert_trees_all_equal_dtypes(state2, state)
+
+
+def test_complex_params_are_trained():
+    # complex64 is not half precision: its master copy is itself, and it trains as plain optax.
+    tx = jaxmp.mixed_precision(optax.sgd(1.0), "p=f16,c=f16", jaxmp.StaticLossScale(4.0))
+    params = {"z": jnp.array([1 + 1j, 2 - 1j], jnp.complex64), "w": jnp.ones(2, F16)}
+    state = tx.init(params)
+    grads = {"z": jnp.array([4 + 4j, -4j], jnp.complex64), "w": jnp.full(2, 4.0, F16)}
+    step = jax.jit(tx.update)
+    updates, state = step(grads, state, params)
+    assert updates["z"].dtype == jnp.complex64 and updates["z"].tolist() == [-1 - 1j, 1j]
+    with jax.numpy_dtype_promotion("strict"):
+        new = optax.apply_updates(params, updates)
+    assert new["z"].tolist() == [0j, 2 + 0j] and new["w"].tolist() == [0.0, 0.0]
+    assert state.inner_state.master["z"].tolist() == [0j, 2 + 0j]
+    _, state2 = step(grads, state, new)
+    chex.assert_trees_all_equal_dtypes(state2, state)

@@ -325,15 +325,16 @@ HALF_PARAM_INNERS = {
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("name", list(HALF_PARAM_INNERS))
 def test_half_params_without_master_weights(name, dtype):
-    # optax starts a moment in its param's dtype, and the inner update computes it from the
-    # unscaled float32 gradients in float32. The state keeps the dtype it started with, as
-    # plain optax on half-precision gradients does, so the step traces once. The reference
-    # is plain optax with a float32 state on the float32 gradients, applied to the same
-    # half-precision params: only the rounding of the moments differs.
+    # The inner optimizer receives float32 gradients; its state is float32 too, whatever
+    # the dtype of the params given to `init` (Adam's second moment of a gradient of 1e4
+    # would be inf in float16, that of 1e-3 zero). So it runs as plain optax with float32
+    # params on the float32 gradients, and its updates are applied to the half-precision
+    # params: only their rounding differs.
     tx = jaxmp.loss_scaling(HALF_PARAM_INNERS[name](), jaxmp.DynamicLossScale(2.0**10))
     plain = HALF_PARAM_INNERS[name]()
     params = ref_params = jaxmp.cast_tree(FULL, dtype)
     state, ref_state = tx.init(params), plain.init(FULL)
+    chex.assert_trees_all_equal(tx.init(FULL), state)
     traces: list = []
     step = _make_step(tx, Case(lambda: None), traces)
     ref_step = _make_reference(plain, Case(lambda: None))
@@ -345,6 +346,7 @@ def test_half_params_without_master_weights(name, dtype):
         state = new_state
         if bool(state.grads_finite):
             ref_params, _, ref_state = ref_step(ref_params, ref_state, grads, 0.0)
+        _assert_values(state.inner_state, ref_state)
         for a, e in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
             assert_close(a, e, dtype)
     assert int(state.skipped_steps) == 1 and len(traces) == 1

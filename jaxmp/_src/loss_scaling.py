@@ -80,13 +80,16 @@ def _unscale(loss_scale: loss_scale_lib.LossScale, tree: Any) -> Any:
     """Widens floating leaves to at least float32 (complex: complex64) and divides by the scale.
 
     Never narrows: float64 and complex128 leaves keep their dtype (a float64 gradient of
-    1e300 or an update of 1e-12 survives). Complex leaves are unscaled like real ones.
-    Other leaves pass through.
+    1e300 or an update of 1e-12 survives). Complex leaves are unscaled like real ones, and
+    Python floats and complex numbers (an Equinox module's float field) like arrays of
+    them. Other leaves pass through.
     """
     inv = 1.0 / jnp.asarray(loss_scale.loss_scale).astype(jnp.float32)
     noop = isinstance(loss_scale, loss_scale_lib.NoOpLossScale)
 
     def leaf(x):
+        if isinstance(x, (float, complex)):  # not bool or int: those are not trained
+            x = jnp.asarray(x, jnp.complex64 if isinstance(x, complex) else jnp.float32)
         if dtypes.is_floating(x):
             dtype = dtypes.compute_dtype_of(x)
         elif tree_lib.is_complex(x):
@@ -97,6 +100,18 @@ def _unscale(loss_scale: loss_scale_lib.LossScale, tree: Any) -> Any:
         return x if noop else x * inv.astype(dtype)
 
     return jax.tree.map(leaf, tree)
+
+
+def _widen(params: Any) -> Any:
+    """Floating array leaves of less than 32 bits as float32; other leaves as they are.
+
+    `inner` is initialised with these: its state (Adam's moments) is then float32 like
+    the gradients it receives, whatever the dtype of the params given to `init` (in
+    float16, the second moment of a gradient of 1e4 is inf and that of 1e-3 is 0).
+    """
+    return jax.tree.map(
+        lambda x: x.astype(dtypes.compute_dtype_of(x)) if dtypes.is_floating(x) else x, params
+    )
 
 
 def _zero_unless(finite: jax.Array, tree: Any) -> Any:
@@ -388,11 +403,14 @@ def loss_scaling(
     read of the gradients, for the finiteness check, and nothing more (see
     BENCHMARKS.md).
 
-    The inner state keeps the dtypes it was initialised with: Adam's moments of
-    float16 or bfloat16 params (without `master_weights`) are computed in float32
-    from the unscaled gradients and stored in their param's dtype, as plain optax
-    on half-precision gradients stores them. Integer and boolean params are not
-    trained by optax; an inner state leaf that starts in such a dtype keeps it.
+    `inner` is initialised with float16 and bfloat16 params widened to float32,
+    so that its state is float32 like the gradients it receives: with
+    half-precision params and no `master_weights`, Adam's moments are float32
+    (as under `mixed_precision`, without the master copy), whatever the dtype of
+    the params given to `init`. The updates are float32; applying them rounds
+    each param to its dtype. Every inner state leaf keeps the dtype it was
+    initialised with: integer and boolean params are not trained by optax, and
+    their moments stay in their dtype.
 
     Args:
       inner: the optax transformation to wrap (an optimizer or a chain). It must
@@ -438,7 +456,8 @@ def loss_scaling(
     axis_name = check_axis_name(axis_name)
 
     def init_fn(params):
-        inner_state = inner.init(params)
+        # `inner` receives float32 gradients: its state starts from float32 params too.
+        inner_state = inner.init(_widen(params))
         nested = _find_loss_scaling_states(inner_state)
         if nested:
             raise ValueError(

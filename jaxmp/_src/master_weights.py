@@ -35,9 +35,15 @@ def _is_float_param(x: Any) -> bool:
     return dtypes.is_floating(x) or isinstance(x, float)
 
 
+def _is_complex_param(x: Any) -> bool:
+    return tree_lib.is_complex(x) or isinstance(x, complex)
+
+
 def _master_leaf(x: Any, dtype: Any) -> Any:
     if isinstance(x, float):  # a Python float param (an Equinox module's field, say)
         return jnp.asarray(x, dtype)
+    if isinstance(x, complex):
+        return jnp.asarray(x, jnp.complex64)
     return casting.cast_tree(x, dtype)
 
 
@@ -51,10 +57,16 @@ def _step(master: Any, update: Any, param: Any) -> tuple[Any, Any, Any]:
     factor of 2 of each other, which any step of an optimizer that moves a param by
     less than half its magnitude satisfies (Sterbenz's lemma).
     """
+    if _is_complex_param(param):
+        # No complex half-precision dtype exists: the master copy is the param itself,
+        # and the update is the inner one, in the param's dtype.
+        param = jnp.asarray(param)
+        new = master if update is None else master + jnp.asarray(update).astype(master.dtype)
+        return new, (new - param.astype(new.dtype)).astype(param.dtype), None
     if not _is_float_param(param):
         # Integer, boolean and other leaves are not trained: zero updates (None for
         # leaves that are not numbers, as Equinox marks them) and no limit.
-        if isinstance(param, (jax.Array, np.ndarray, np.generic, int, complex)):
+        if isinstance(param, (jax.Array, np.ndarray, np.generic, int)):
             return master, jnp.zeros_like(param), None
         return master, None, None
     param = jnp.asarray(param)
@@ -104,7 +116,8 @@ def master_weights(
 
     Integer and boolean params are not trained: their updates are zeros of their
     dtype and their master copy is the param itself. Python float leaves (fields
-    of an Equinox module) are trained as float32 params.
+    of an Equinox module) are trained as float32 params. Complex params are
+    trained as they are (their master copy is the param, complex64 at least).
 
     Args:
       inner: the optax transformation to run on the master copy.
