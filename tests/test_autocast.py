@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -846,6 +847,78 @@ def test_training_parity_mixed_float16():
     assert all(x.dtype == F32 for x in jax.tree.leaves(params))
     assert float(jaxmp.get_loss_scale(opt_state).loss_scale) >= 1.0
     assert np.all(np.isfinite(losses))
+
+
+def test_training_parity_on_the_main_job_model():
+    """The main job's transformer (examples/lm, built float32) trained on its own data: under
+    autocast mixed_float16 the training and validation losses are within 2% of float32."""
+    import sys
+
+    import jaxmp
+
+    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        from lm import data as data_lib
+        from lm import model as model_lib
+    finally:
+        sys.path.remove(examples)
+
+    dataset = data_lib.make_dataset(0.1)
+    length, batch, steps = 32, 16, 150
+    model = model_lib.TransformerLM(
+        vocab_size=dataset.vocab_size,
+        max_len=length,
+        num_layers=2,
+        num_heads=4,
+        d_model=64,
+        mlp_ratio=4,
+    )
+    params0 = model.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
+
+    def loss_fn(params, inputs, targets):
+        return model_lib.cross_entropy(model.apply({"params": params}, inputs), targets)
+
+    batches = [data_lib.train_batch(dataset.train, 0, s, batch, length) for s in range(steps)]
+    val_batches = data_lib.eval_batches(dataset.val, 4, 64, length)
+
+    def train(policy):
+        if policy is None:
+            tx = optax.adam(3e-3)
+            grad_fn = jax.value_and_grad(loss_fn)
+        else:
+            tx = jaxmp.mixed_precision(optax.adam(3e-3), policy)
+            scaled_grad_fn = jaxmp.value_and_grad(autocast(loss_fn, policy))
+
+            def grad_fn(params, inputs, targets, opt_state):
+                scale = jaxmp.get_loss_scale(opt_state)
+                return scaled_grad_fn(scale, params, inputs, targets)
+
+        @jax.jit
+        def step(params, opt_state, inputs, targets):
+            if policy is None:
+                loss, grads = grad_fn(params, inputs, targets)
+            else:
+                loss, grads = grad_fn(params, inputs, targets, opt_state)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        params, opt_state, losses = params0, tx.init(params0), []
+        for inputs, targets in batches:
+            params, opt_state, loss = step(params, opt_state, inputs, targets)
+            losses.append(float(loss))
+        evaluate = jax.jit(loss_fn)
+        val = np.mean([float(evaluate(params, x, y)) for x, y in val_batches])
+        return np.asarray(losses), val, params
+
+    ref_losses, ref_val, _ = train(None)
+    losses, val, params = train("mixed_float16")
+    assert np.all(np.isfinite(losses))
+    assert ref_losses[-20:].mean() < 0.7 * ref_losses[:5].mean()  # it learns
+    final, ref_final = losses[-20:].mean(), ref_losses[-20:].mean()
+    assert abs(final - ref_final) <= 0.02 * ref_final, (final, ref_final)
+    assert abs(val - ref_val) <= 0.02 * ref_val, (val, ref_val)
+    assert all(x.dtype == F32 for x in jax.tree.leaves(params))
 
 
 # ---------------------------------------------------------------------------------------------
