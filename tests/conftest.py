@@ -49,3 +49,21 @@ def primitive_dtypes(jaxpr, names):
         for eqn in all_eqns(jaxpr)
         if eqn.primitive.name in names
     ]
+
+
+_STACK = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "equinox", "numpy")
+
+
+def pytest_report_header(config):
+    """The versions under test, first in every run's log (CI runs two stacks)."""
+    import importlib.metadata
+    import platform
+
+    del config
+    versions = []
+    for name in _STACK:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} (not installed)")
+    return f"jaxmp stack: Python {platform.python_version()}, " + ", ".join(versions)

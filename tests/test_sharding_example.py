@@ -161,7 +161,7 @@ def test_make_mesh_and_shard_batch_on_eight_devices(eight_devices):
     assert out["mesh"] == {"shape": {"data": 4, "model": 2}, "axis_types": ["Auto", "Auto"]}
     assert out["dict_mesh"] == {"model": 8}
     assert out["batch"] == {
-        "spec": "P(('data', 'model'),)",
+        "spec": [["data", "model"]],
         "rows_per_device": [2],
         "values_kept": True,
     }

@@ -10,7 +10,7 @@ releases. Every such use goes through this module; nothing else in jaxmp imports
 one exists on the installed JAX and names the one that is missing, so a new JAX release breaks
 one clear test instead of autocast at a user's site.
 
-Supported range: jax 0.7.2 (the floor, tested in CI) to jax 0.12 (the newest, tested in CI).
+Supported range: jax 0.8.2 (the floor, tested in CI) to jax 0.12 (the newest, tested in CI).
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ __all__ = [
 #: parameters are checked by ``tests/test_compat.py``, which traces the programs that have them.
 INTERNAL_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ClosedJaxpr", ("jax.extend.core.ClosedJaxpr",)),
-    # jax 0.7: only in jax._src.core; jax >= 0.8: jax.extend.core.
+    # jax < 0.10: only in jax._src.core; jax >= 0.10: jax.extend.core.
     ("DropVar", ("jax.extend.core.DropVar", "jax._src.core.DropVar")),
     ("Jaxpr", ("jax.extend.core.Jaxpr",)),
     ("Literal", ("jax.extend.core.Literal",)),
     ("Primitive", ("jax.extend.core.Primitive",)),
-    # jax 0.7: only in jax._src.core; jax >= 0.8: jax.extend.core.
+    # jax < 0.10: only in jax._src.core; jax >= 0.10: jax.extend.core.
     ("jaxprs_in_params", ("jax.extend.core.jaxprs_in_params", "jax._src.core.jaxprs_in_params")),
     ("primitives", ("jax.extend.core.primitives",)),
     ("current_name_stack", ("jax.extend.source_info_util.current_name_stack",)),
@@ -159,7 +159,7 @@ def custom_jvp_rule_jaxpr(params: dict[str, Any], zeros: Sequence[bool]) -> tupl
 
     `zeros` marks the tangents that are symbolic zeros. The rule's jaxpr takes the primal
     operands (after the equation's ``num_consts`` constants) and the nonzero tangents.
-    Same in jax 0.7 to 0.12: ``jvp_jaxpr_fun`` is a wrapped function of the zero mask.
+    Same in jax 0.8 to 0.12: ``jvp_jaxpr_fun`` is a wrapped function of the zero mask.
     """
     jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*zeros)
     inner = getattr(jaxpr, "jaxpr", jaxpr)
@@ -183,12 +183,13 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
 def bind(eqn: Any, vals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
     """Re-binds `eqn`'s primitive on `vals` (with `params` in place of its own, if given).
 
-    jax < 0.7: ``get_bind_params`` returns ``(subfuns, params)``; later a dict.
+    ``get_bind_params`` returns the parameters to bind with (a dict in jax 0.8 to 0.12;
+    older releases returned ``(subfuns, params)``, still accepted).
     """
     params = eqn.params if params is None else params
     bind_params = eqn.primitive.get_bind_params(params)
     subfuns: Sequence[Any] = ()
-    if isinstance(bind_params, tuple):  # pragma: no cover - jax < 0.7
+    if isinstance(bind_params, tuple):  # pragma: no cover - older than the supported range
         subfuns, bind_params = bind_params
     out = eqn.primitive.bind(*subfuns, *vals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]

@@ -149,8 +149,8 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, shardings: An
         >>> params = jax.device_put({"w": jnp.ones((4, 2))}, NamedSharding(mesh, P("model")))
         >>> tx = jaxmp.mixed_precision(optax.adam(1e-3), "mixed_float16")
         >>> out = jaxmp.state_shardings(tx, params)
-        >>> out.inner_state[0].mu["w"].spec, out.loss_scale.loss_scale.spec
-        (P('model',), P())
+        >>> tuple(out.inner_state[0].mu["w"].spec), tuple(out.loss_scale.loss_scale.spec)
+        (('model',), ())
     """
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if shardings is None:

@@ -20,7 +20,7 @@ def main() -> None:
     batch = {"x": np.arange(16 * 3, dtype=np.float32).reshape(16, 3), "y": np.arange(16)}
     placed = sharding.shard_batch(batch, mesh)
     out["batch"] = {
-        "spec": str(placed["x"].sharding.spec),
+        "spec": [list(a) if isinstance(a, tuple) else a for a in placed["x"].sharding.spec],
         "rows_per_device": sorted({s.data.shape[0] for s in placed["x"].addressable_shards}),
         "values_kept": bool(np.array_equal(np.asarray(placed["x"]), batch["x"])),
     }
