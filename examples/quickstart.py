@@ -3,12 +3,14 @@
 A two-layer MLP fits a synthetic regression target. Params are stored in float16 and the
 forward and backward passes run in float16; `jaxmp.mixed_precision` keeps an FP32 master copy
 of the params in the optimizer state, unscales the gradients, skips steps whose gradients are
-not finite and adjusts the loss scale. Run: python examples/quickstart.py
+not finite and adjusts the loss scale. Before training, a first-step check makes sure the
+gradients are those of the scaled loss. Run: python examples/quickstart.py
 """
 
 import jax
 import jax.numpy as jnp
 import optax
+from loss_scale_tools import check_gradients_are_scaled, describe_scale, grad_norm
 
 import jaxmp
 
@@ -37,9 +39,10 @@ def train(steps=300, seed=0, log_every=50):
     x = jax.random.normal(kx, (256, 16))
     y = jnp.sin(x @ jax.random.normal(kw, (16,)))
     params_f32 = init_params(kp)
-    # Grow the scale every 50 finite steps (default 2000) so a short run shows it back off.
-    loss_scale = jaxmp.DynamicLossScale(2.0**15, period=50)
-    tx = jaxmp.mixed_precision(optax.adam(1e-2), policy, loss_scale)
+    # Grow the scale every 25 finite steps (default 2000) so a short run shows it back off.
+    loss_scale = jaxmp.DynamicLossScale(2.0**15, period=25)
+    learning_rate = optax.cosine_decay_schedule(1e-2, steps, alpha=0.05)
+    tx = jaxmp.mixed_precision(optax.adam(learning_rate), policy, loss_scale)
     opt_state = tx.init(params_f32)  # the FP32 master copy starts exact
     params = policy.cast_to_param(params_f32)
 
@@ -49,14 +52,18 @@ def train(steps=300, seed=0, log_every=50):
         loss, grads = jaxmp.value_and_grad(loss_fn)(loss_scale, params, x, y, policy)
         updates, opt_state = tx.update(grads, opt_state, params)
         metrics = jaxmp.loss_scale_metrics(opt_state)
+        metrics["grad_norm"] = grad_norm(grads)
         return optax.apply_updates(params, updates), opt_state, loss, metrics
 
+    # Gradients from jax.grad instead of jaxmp.value_and_grad would train silently with updates
+    # 2^15 times too small: at loss scales 1 and 2, the gradients must double.
+    check_gradients_are_scaled(lambda state: train_step(params, state)[3]["grad_norm"], opt_state)
     for step in range(1, steps + 1):
         params, opt_state, loss, metrics = train_step(params, opt_state)
         if step % log_every == 0 or step == 1:
             print(
                 f"step {step:4d}  loss {float(loss):.5f}  "
-                f"loss scale {float(metrics['loss_scale']):g}  "
+                f"loss scale {describe_scale(metrics['loss_scale'])}  "
                 f"skipped steps {int(metrics['skipped_steps'])}"
             )
     return params, float(loss), metrics
