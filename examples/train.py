@@ -8,26 +8,34 @@ Usage:
     python examples/train.py                              # configs/mixed_float16.yaml
     python examples/train.py --config fp32 --set steps=300
     python examples/train.py --resume                     # continue runs/mixed_float16
+    python examples/train.py --overwrite                  # replace runs/mixed_float16
     python examples/train.py --compare                    # every config in configs/
     python examples/train.py --compare fp32,mixed_float16
 
 Each run writes to ``--workdir`` (default ``runs/<config name>``): ``metrics.jsonl`` and
 ``metrics.csv`` (one row per step), ``config.yaml`` (the resolved config), ``checkpoints/``
-(orbax; ``--resume`` continues from the latest one, bit-identically) and ``losses.png``.
+(orbax; ``--resume`` continues from the latest one, bit-identically) and ``losses.png``. A new
+run refuses a directory that is not empty: nothing is replaced without ``--overwrite``.
+Ctrl-C stops after the step in progress, with its metrics row and its checkpoint saved.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 import shutil
+import signal
 import statistics
 import sys
+import textwrap
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -41,6 +49,12 @@ import sharding
 from lm import config as config_lib
 from lm import data as data_lib
 from lm import model as model_lib
+from loss_scale_tools import (
+    LossScalingError,
+    check_gradients_are_scaled,
+    describe_scale,
+    grad_norm,
+)
 from tqdm import tqdm
 
 import jaxmp
@@ -148,12 +162,47 @@ def create_train_state(
     """
     if vocab_size is None:
         vocab_size = get_dataset(config.val_fraction).vocab_size
+    return programs(config, vocab_size).init(rng)
+
+
+def make_init(config: config_lib.Config, vocab_size: int, tx):
+    """The (unjitted) ``rng -> TrainState`` of `create_train_state`."""
     init_model = make_model(config, vocab_size, param_dtype=jnp.float32)
-    tokens = jnp.zeros((1, config.seq_len), jnp.int32)
-    params_f32 = jax.jit(init_model.init)(rng, tokens)["params"]
-    opt_state = make_optimizer(config).init(params_f32)
-    params = config.policy.cast_to_param(params_f32)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+    def init(rng: jax.Array) -> TrainState:
+        tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+        params_f32 = init_model.init(rng, tokens)["params"]
+        opt_state = tx.init(params_f32)
+        params = config.policy.cast_to_param(params_f32)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+    return init
+
+
+class Programs(NamedTuple):
+    model: model_lib.TransformerLM
+    tx: optax.GradientTransformationExtraArgs
+    init: Any  # jitted `make_init`
+    train_step: Any  # `make_train_step`'s, unjitted
+    eval_step: Any  # `make_eval_step`'s, unjitted
+
+
+@functools.lru_cache(maxsize=8)
+def programs(config: config_lib.Config, vocab_size: int) -> Programs:
+    """The model, optimizer and step functions of `config`, built once per process.
+
+    Training the same config again in one process (a resumed run, the tests) then reuses what
+    JAX has traced and compiled for these functions instead of tracing them again.
+    """
+    model = make_model(config, vocab_size)
+    tx = make_optimizer(config)
+    return Programs(
+        model=model,
+        tx=tx,
+        init=jax.jit(make_init(config, vocab_size, tx)),
+        train_step=make_train_step(config, model, tx),
+        eval_step=make_eval_step(model),
+    )
 
 
 def make_loss_fn(model: model_lib.TransformerLM):
@@ -167,7 +216,9 @@ def make_train_step(config: config_lib.Config, model: model_lib.TransformerLM, t
     """The (unjitted) train step ``(state, inputs, targets) -> (state, metrics)``.
 
     Gradients are of the loss times the current loss scale; ``tx.update`` unscales them in
-    float32, skips the update when any is non-finite and adjusts the scale.
+    float32, skips the update when any is non-finite and adjusts the scale. ``grad_norm`` is
+    the norm of the gradients passed to ``tx.update`` (scaled, so it follows the loss scale:
+    `check_gradients_are_scaled` relies on that).
     """
     del config  # The step depends on the config only through `model` and `tx`.
     grad_fn = jaxmp.value_and_grad(make_loss_fn(model))
@@ -177,7 +228,11 @@ def make_train_step(config: config_lib.Config, model: model_lib.TransformerLM, t
         loss, grads = grad_fn(loss_scale, state.params, inputs, targets)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, **jaxmp.loss_scale_metrics(opt_state)}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm(grads),
+            **jaxmp.loss_scale_metrics(opt_state),
+        }
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step
@@ -288,30 +343,180 @@ def logit_gradient_underflow(
     return float(fraction(jaxmp.cast_tree(params, jnp.float32)))
 
 
-def _load_history(workdir: pathlib.Path, upto: int) -> list[dict[str, Any]]:
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "metrics.csv", "losses.png", "checkpoints")
+COMPARE_OUTPUTS = ("summary.md", "summary.json", "compare.png")
+
+
+class RunDirError(ValueError):
+    """The run directory does not fit the request; the one-line message says what to do.
+
+    A new run into a directory that is not empty, ``--resume`` without a checkpoint, or a
+    checkpoint that cannot be read. Raised before anything in the directory is changed.
+    """
+
+
+def show_path(path: str | pathlib.Path) -> str:
+    """`path` relative to the working directory when it is inside it, for messages."""
+    path = pathlib.Path(path).resolve()
+    try:
+        return str(path.relative_to(pathlib.Path.cwd().resolve())) or "."
+    except ValueError:
+        return str(path)
+
+
+def _is_empty(path: pathlib.Path) -> bool:
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
+    """The steps of the complete checkpoints in ``workdir/checkpoints``, ascending."""
+    ckpt_dir = workdir / "checkpoints"
+    if not ckpt_dir.is_dir():
         return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["step"] <= upto]
+    options = ocp.CheckpointManagerOptions(create=False)
+    with ocp.CheckpointManager(ckpt_dir, options=options) as manager:
+        return sorted(manager.all_steps())
+
+
+def _describe_run(workdir: pathlib.Path) -> str:
+    steps = checkpoint_steps(workdir)
+    if steps:
+        return f"a run (checkpoint at step {steps[-1]})"
+    if any((workdir / name).exists() for name in RUN_OUTPUTS):
+        return "a run (no checkpoint)"
+    return "files"
+
+
+def check_workdir(workdir: pathlib.Path, *, resume: bool, overwrite: bool) -> list[int]:
+    """Checks that `workdir` fits the request; returns its checkpoint steps.
+
+    A new run needs an empty (or missing) directory, ``resume`` needs a checkpoint in it, and
+    ``overwrite`` accepts anything (it replaces only the run's own outputs, `RUN_OUTPUTS`).
+
+    Raises:
+      RunDirError: naming the directory and the options that apply.
+    """
+    if resume and overwrite:
+        raise ValueError("`resume` and `overwrite` exclude each other.")
+    where = show_path(workdir)
+    if resume:
+        steps = checkpoint_steps(workdir)
+        if not steps:
+            found = "the directory does not exist" if not workdir.exists() else "none found"
+            raise RunDirError(
+                f"--resume: no checkpoint in {where}/checkpoints ({found}); check --workdir, "
+                "or start a new run without --resume."
+            )
+        return steps
+    if overwrite or _is_empty(workdir):
+        return []
+    if not workdir.is_dir():
+        raise RunDirError(f"--workdir {where} is a file; choose a directory.")
+    raise RunDirError(
+        f"{where} already holds {_describe_run(workdir)}; continue it with --resume, replace "
+        "it with --overwrite, or choose another --workdir."
+    )
+
+
+def remove_run_outputs(workdir: pathlib.Path, names: Sequence[str] = RUN_OUTPUTS) -> None:
+    """Deletes what a run (or a comparison, with `COMPARE_OUTPUTS`) wrote; other files stay."""
+    for name in names:
+        path = workdir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def _short_reason(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = text.split(" See full TensorStore details")[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def restore_checkpoint(workdir: pathlib.Path, steps: Sequence[int], state: TrainState):
+    """Restores the latest of `steps` into the structure of `state`.
+
+    Raises:
+      RunDirError: if the checkpoint cannot be read (truncated or corrupt files), naming it.
+    """
+    step = steps[-1]
+    options = ocp.CheckpointManagerOptions(create=False)
+    try:
+        with ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
+            restored = manager.restore(step, args=ocp.args.StandardRestore(state))
+    except Exception as e:  # orbax and tensorstore raise plain Exceptions for damaged files
+        path = show_path(workdir / "checkpoints" / str(step))
+        earlier = (
+            f"delete it to resume from step {steps[-2]}"
+            if len(steps) > 1
+            else "no earlier checkpoint is left"
+        )
+        raise RunDirError(
+            f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {_short_reason(e)}); "
+            f"{earlier}, or start again with --overwrite."
+        ) from None
+    return restored
+
+
+def load_history(workdir: pathlib.Path, upto: int) -> list[dict[str, Any]]:
+    """The metrics rows of steps 1 to `upto` (a resumed run's checkpoint step).
+
+    Rows after `upto` (a run that crashed after its last checkpoint) are dropped: the resumed
+    run computes them again, identically. A last line cut short by the crash is ignored.
+
+    Raises:
+      RunDirError: if a row before the checkpoint is missing.
+    """
+    path = workdir / "metrics.jsonl"
+    rows: dict[int, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                if 1 <= row["step"] <= upto:
+                    rows[row["step"]] = row
+    missing = [step for step in range(1, upto + 1) if step not in rows]
+    if missing:
+        listed = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        raise RunDirError(
+            f"--resume: {show_path(path)} has no rows for steps {listed} (of 1 to {upto}, the "
+            "checkpoint's step); start again with --overwrite."
+        )
+    return [rows[step] for step in range(1, upto + 1)]
 
 
 class MetricsWriter:
-    """Appends one record per step to ``metrics.jsonl`` and ``metrics.csv``."""
+    """Appends one record per step to ``metrics.jsonl`` and ``metrics.csv``.
+
+    A resumed run starts both files again from the rows up to its checkpoint, replacing them
+    atomically, so a crash at any point leaves complete files behind.
+    """
 
     def __init__(self, workdir: pathlib.Path, history: list[dict[str, Any]]):
-        self._jsonl = open(workdir / "metrics.jsonl", "w")
-        self._csv_file = open(workdir / "metrics.csv", "w", newline="")
+        jsonl, csv_path = workdir / "metrics.jsonl", workdir / "metrics.csv"
+        with open(jsonl.with_suffix(".jsonl.tmp"), "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in history)
+        with open(csv_path.with_suffix(".csv.tmp"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(self._csv_row(record) for record in history)
+        os.replace(jsonl.with_suffix(".jsonl.tmp"), jsonl)
+        os.replace(csv_path.with_suffix(".csv.tmp"), csv_path)
+        self._jsonl = open(jsonl, "a")
+        self._csv_file = open(csv_path, "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=COLUMNS)
-        self._csv.writeheader()
-        for record in history:  # A resumed run rewrites the rows up to its checkpoint.
-            self.write(record)
+
+    @staticmethod
+    def _csv_row(record: dict[str, Any]) -> dict[str, Any]:
+        return {k: ("" if record[k] is None else record[k]) for k in COLUMNS}
 
     def write(self, record: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
-        row = {k: ("" if record[k] is None else record[k]) for k in COLUMNS}
-        self._csv.writerow(row)
+        self._csv.writerow(self._csv_row(record))
 
     def flush(self) -> None:
         self._jsonl.flush()
@@ -322,9 +527,30 @@ class MetricsWriter:
         self._csv_file.close()
 
 
-def _describe_scale(scale: float) -> str:
-    exponent = math.log2(scale) if scale > 0 else math.nan
-    return f"2^{exponent:g}" if exponent.is_integer() else f"{scale:g}"
+@contextlib.contextmanager
+def stop_after_step_on_sigint():
+    """Turns the first Ctrl-C (SIGINT) into a request to stop after the step in progress.
+
+    Yields a function that says whether a stop was requested. A second Ctrl-C interrupts at
+    once (`KeyboardInterrupt`). Outside the main thread, where Python cannot install signal
+    handlers, Ctrl-C always interrupts at once.
+    """
+    requested: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        del signum, frame
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(requested)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def train_and_evaluate(
@@ -332,28 +558,46 @@ def train_and_evaluate(
     workdir: str | pathlib.Path,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
     verbose: bool = True,
     stop_at: int | None = None,
     sample_length: int = 80,
+    figure: bool = True,
 ) -> RunResult:
     """Trains `config` in `workdir`; returns the final state, metrics and a text sample.
 
     Args:
         config: the run's config.
         workdir: where metrics, the resolved config, checkpoints and the figure go.
-        resume: continue from the latest checkpoint in `workdir` (start fresh if none).
+        resume: continue from the latest checkpoint in `workdir` (an error if there is none).
+        overwrite: replace the outputs of a run already in `workdir`. They are deleted only
+            once the new run has compiled, just before it writes its first output.
         progress: show a tqdm bar.
         verbose: print a line per evaluation, loss-scale change and skipped step.
         stop_at: stop (and checkpoint) after this step, as if interrupted; the schedule still
             runs to ``config.steps``.
         sample_length: characters of generated text in the result (0: none).
+        figure: write ``losses.png`` (`run_figure`).
+
+    Raises:
+        RunDirError: `workdir` is not empty (and neither `resume` nor `overwrite` is set),
+            `resume` finds no readable checkpoint, or the metrics lack rows before it.
+        LossScalingError: the train step's gradients do not follow the loss scale.
+        KeyboardInterrupt: after Ctrl-C, once the step in progress, its metrics row and its
+            checkpoint are saved (a second Ctrl-C interrupts at once; the checkpoint is then
+            that of the last step whose metrics row was written).
     """
     workdir = pathlib.Path(workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    steps_saved = check_workdir(workdir, resume=resume, overwrite=overwrite)
+    if steps_saved and steps_saved[-1] > config.steps:
+        raise RunDirError(
+            f"--resume: the checkpoint in {show_path(workdir)} is at step {steps_saved[-1]}, "
+            f"past the config's steps={config.steps}; raise it with --set steps=..."
+        )
     dataset = get_dataset(config.val_fraction)
-    model = make_model(config, dataset.vocab_size)
-    tx = make_optimizer(config)
+    built = programs(config, dataset.vocab_size)
+    model, tx = built.model, built.tx
     state = create_train_state(
         config, jax.random.PRNGKey(config.seed), vocab_size=dataset.vocab_size
     )
@@ -362,23 +606,53 @@ def train_and_evaluate(
     if mesh is not None:  # Params and optimizer state sharded FSDP-style, the batch over all.
         state, state_shardings = sharding.shard_train_state(tx, state, mesh)
         jit_kwargs["out_shardings"] = (state_shardings, sharding.replicated(mesh))
+    else:
+        # Committed to the device, as a restored checkpoint is: a new and a resumed run then
+        # compile the same program (and share it through a persistent compilation cache).
+        state = jax.device_put(state, jax.local_devices()[0])
 
     def put(batch):
         return batch if mesh is None else sharding.shard_batch(batch, mesh)
 
-    ckpt_dir = workdir / "checkpoints"
-    if not resume and ckpt_dir.exists():
-        shutil.rmtree(ckpt_dir)  # A fresh run must not mix with an older run's checkpoints.
-    manager = ocp.CheckpointManager(
-        ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    )
-    latest = manager.latest_step() if resume else None
-    if latest is not None:
-        state = manager.restore(latest, args=ocp.args.StandardRestore(state))
+    history: list[dict[str, Any]] = []
+    if resume:
+        state = restore_checkpoint(workdir, steps_saved, state)
+        history = load_history(workdir, int(state.step))
     start = int(state.step)
-    history = _load_history(workdir, start) if latest is not None else []
+
+    inputs, targets = put(
+        data_lib.train_batch(dataset.train, config.seed, start, config.batch_size, config.seq_len)
+    )
+    train_step = jax.jit(built.train_step, **jit_kwargs)
+    compiled = train_step.lower(state, inputs, targets).compile()
+    memory = compiled.memory_analysis()
+    peak = None
+    if memory is not None:
+        peak = int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
+    stop = config.steps if stop_at is None else min(stop_at, config.steps)
+    if start < stop:
+        # The step's gradients must be those of the scaled loss (jaxmp.value_and_grad): with
+        # jax.grad every update would be loss-scale times too small, silently.
+        check_gradients_are_scaled(
+            lambda opt_state: compiled(state._replace(opt_state=opt_state), inputs, targets)[1][
+                "grad_norm"
+            ],
+            state.opt_state,
+        )
+    eval_step = jax.jit(built.eval_step)
+    val_batches = data_lib.eval_batches(
+        dataset.val, config.eval_batches, config.batch_size, config.seq_len
+    )
+
+    # Everything is ready: only now replace an earlier run's outputs.
+    if overwrite:
+        remove_run_outputs(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.yaml").write_text(config_lib.dump(config))
     writer = MetricsWriter(workdir, history)
+    manager = ocp.CheckpointManager(
+        workdir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    )
 
     log = tqdm.write if verbose else (lambda *a, **k: None)
     unigram = data_lib.unigram_entropy(dataset.train, dataset.val, dataset.vocab_size)
@@ -386,91 +660,92 @@ def train_and_evaluate(
         f"{config.name}: policy {config.policy}, loss scale {config.loss_scale}; "
         f"{len(dataset.train):,} train / {len(dataset.val):,} val chars, vocab "
         f"{dataset.vocab_size}; unigram baseline {unigram:.3f} nats/char"
-        + (f"; resuming at step {start}" if latest is not None else "")
+        + (f"; resuming at step {start}" if resume else "")
     )
 
-    inputs, targets = put(
-        data_lib.train_batch(dataset.train, config.seed, 0, config.batch_size, config.seq_len)
-    )
-    train_step = jax.jit(make_train_step(config, model, tx), **jit_kwargs)
-    compiled = train_step.lower(state, inputs, targets).compile()
-    memory = compiled.memory_analysis()
-    peak = None
-    if memory is not None:
-        peak = int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
-    eval_step = jax.jit(make_eval_step(model))
-    val_batches = data_lib.eval_batches(
-        dataset.val, config.eval_batches, config.batch_size, config.seq_len
-    )
-
-    stop = config.steps if stop_at is None else min(stop_at, config.steps)
     scale = float(jaxmp.get_loss_scale(state.opt_state).loss_scale)
     skipped_total = history[-1]["skipped_total"] if history else 0
     val_loss = next((r["val_loss"] for r in reversed(history) if r["val_loss"] is not None), None)
     bar = tqdm(
         total=config.steps, initial=start, unit="step", desc=config.name, disable=not progress
     )
-    try:
-        for step in range(start + 1, stop + 1):
-            inputs, targets = put(
-                data_lib.train_batch(
-                    dataset.train, config.seed, step - 1, config.batch_size, config.seq_len
+    saved_step = start if resume else None
+    interrupted = False
+    # `state` is always the state after the last step whose metrics row has been written, so
+    # a checkpoint of it and metrics.jsonl agree whenever the loop stops.
+    with stop_after_step_on_sigint() as stop_requested:
+        try:
+            for step in range(start + 1, stop + 1):
+                inputs, targets = put(
+                    data_lib.train_batch(
+                        dataset.train, config.seed, step - 1, config.batch_size, config.seq_len
+                    )
                 )
-            )
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, inputs, targets)
-            metrics = jax.device_get(metrics)
-            step_time = time.perf_counter() - t0
-            new_scale = float(metrics["loss_scale"])
-            skipped = not bool(metrics["grads_finite"])
-            skipped_total = int(metrics["skipped_steps"])
-            if skipped or new_scale != scale:
-                event = "non-finite gradients, update skipped; " if skipped else ""
-                log(
-                    f"step {step}: {event}loss scale {_describe_scale(scale)} -> "
-                    f"{_describe_scale(new_scale)} (skipped so far: {skipped_total})"
+                t0 = time.perf_counter()
+                new_state, metrics = compiled(state, inputs, targets)
+                metrics = jax.device_get(metrics)
+                step_time = time.perf_counter() - t0
+                new_scale = float(metrics["loss_scale"])
+                skipped = not bool(metrics["grads_finite"])
+                skipped_total = int(metrics["skipped_steps"])
+                if skipped or new_scale != scale:
+                    event = "non-finite gradients, update skipped; " if skipped else ""
+                    log(
+                        f"step {step}: {event}loss scale {describe_scale(scale)} -> "
+                        f"{describe_scale(new_scale)} (skipped so far: {skipped_total})"
+                    )
+                scale = new_scale
+                record_val = None
+                if step % config.eval_interval == 0 or step == config.steps:
+                    val_loss = record_val = evaluate(eval_step, new_state.params, val_batches)
+                    log(
+                        f"step {step}: train loss {float(metrics['loss']):.4f}, "
+                        f"val loss {val_loss:.4f} nats/char"
+                    )
+                record = {
+                    "step": step,
+                    "train_loss": float(metrics["loss"]),
+                    "val_loss": record_val,
+                    "loss_scale": new_scale,
+                    "skipped": skipped,
+                    "skipped_total": skipped_total,
+                    "step_time_s": step_time,
+                }
+                writer.write(record)
+                history.append(record)
+                state = new_state
+                if step % config.checkpoint_interval == 0 or step == stop:
+                    writer.flush()  # Rows first: a checkpoint never runs ahead of the metrics.
+                    manager.save(step, args=ocp.args.StandardSave(state))
+                    saved_step = step
+                bar.set_postfix(
+                    loss=f"{record['train_loss']:.3f}",
+                    scale=describe_scale(new_scale),
+                    skipped=skipped_total,
+                    refresh=False,
                 )
-            scale = new_scale
-            record_val = None
-            if step % config.eval_interval == 0 or step == config.steps:
-                val_loss = record_val = evaluate(eval_step, state.params, val_batches)
-                log(
-                    f"step {step}: train loss {float(metrics['loss']):.4f}, "
-                    f"val loss {val_loss:.4f} nats/char"
-                )
-            record = {
-                "step": step,
-                "train_loss": float(metrics["loss"]),
-                "val_loss": record_val,
-                "loss_scale": new_scale,
-                "skipped": skipped,
-                "skipped_total": skipped_total,
-                "step_time_s": step_time,
-            }
-            history.append(record)
-            writer.write(record)
-            if step % config.checkpoint_interval == 0:
-                manager.save(step, args=ocp.args.StandardSave(state))
-                writer.flush()
-            bar.set_postfix(
-                loss=f"{record['train_loss']:.3f}",
-                scale=_describe_scale(new_scale),
-                skipped=skipped_total,
-                refresh=False,
-            )
-            bar.update(1)
-    except KeyboardInterrupt:
-        log(f"interrupted at step {int(state.step)}; saving a checkpoint (continue with --resume)")
-        raise
-    finally:
-        bar.close()
-        if int(state.step) not in manager.all_steps() and int(state.step) > 0:
-            manager.save(int(state.step), args=ocp.args.StandardSave(state), force=True)
-        manager.wait_until_finished()
-        manager.close()
-        writer.close()
+                bar.update(1)
+                if stop_requested():
+                    interrupted = True
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            bar.close()
+            writer.flush()
+            if int(state.step) != saved_step and int(state.step) > 0:
+                manager.save(int(state.step), args=ocp.args.StandardSave(state), force=True)
+            manager.wait_until_finished()
+            manager.close()
+            writer.close()
+    if interrupted:
+        tqdm.write(
+            f"interrupted: stopped after step {int(state.step)}, its metrics and checkpoint "
+            f"saved in {show_path(workdir)}; continue with --resume"
+        )
+        raise KeyboardInterrupt
 
-    if val_loss is None or history[-1]["val_loss"] is None:
+    if val_loss is None or not history or history[-1]["val_loss"] is None:
         val_loss = evaluate(eval_step, state.params, val_batches)
     sample = ""
     if sample_length:
@@ -485,76 +760,251 @@ def train_and_evaluate(
         peak_memory_bytes=peak,
         sample=sample,
     )
-    if history:
-        plot_runs([result], workdir / "losses.png")
+    if figure and history:
+        plot_run(result, workdir / "losses.png")
     return result
 
 
-def plot_runs(results: Sequence[RunResult], path: pathlib.Path) -> None:
-    """Loss curves, validation loss relative to the first run, and loss-scale trajectories."""
+# One style per config, the same in every panel: colour, line style and marker all differ, so
+# that curves lying on top of each other stay distinguishable.
+STYLES = (
+    ("C0", "-", "o"),
+    ("C1", "--", "s"),
+    ("C2", "-.", "^"),
+    ("C3", ":", "D"),
+    ("C4", (0, (5, 1, 1, 1)), "v"),
+    ("C5", (0, (1, 1)), "P"),
+    ("C6", (0, (3, 1, 1, 1, 1, 1)), "X"),
+)
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_diff, ax_scale) = plt.subplots(
-        3, 1, figsize=(9, 9), sharex=True, height_ratios=(3, 2, 2)
-    )
-    reference = _val_curve(results[0]) if results else {}
-    for i, result in enumerate(results):
-        color = f"C{i}"
-        name = result.config.name
-        steps = np.array([r["step"] for r in result.history])
-        train = np.array([r["train_loss"] for r in result.history])
-        ax_loss.plot(steps, _ema(train, 0.9), color=color, alpha=0.5, lw=1)
-        val = _val_curve(result)
-        if val:
-            ax_loss.plot(list(val), list(val.values()), color=color, marker="o", ms=3, label=name)
-        common = [s for s in val if s in reference]
-        if common:
-            diff = [100 * (val[s] / reference[s] - 1) for s in common]
-            ax_diff.plot(common, diff, color=color, marker="o", ms=3, label=name)
-        scales = np.array([r["loss_scale"] for r in result.history])
-        ax_scale.step(steps, scales, where="post", color=color, label=name)
-        skipped = np.array([r["skipped"] for r in result.history], dtype=bool)
-        if skipped.any():
-            ax_scale.plot(steps[skipped], scales[skipped], "x", color=color, ms=7)
-    if results:
-        ax_loss.axhline(
-            results[0].unigram_loss, color="gray", ls="--", lw=1, label="unigram baseline"
-        )
-        ax_diff.set_title(f"validation loss relative to {results[0].config.name} (%)")
-    ax_loss.set_ylabel("loss (nats/char)")
-    ax_loss.set_title("training loss (thin, smoothed) and validation loss (markers)")
-    ax_loss.legend(fontsize=8)
-    ax_diff.axhline(0.0, color="gray", lw=1)
-    ax_diff.set_ylabel("%")
-    ax_scale.set_yscale("log", base=2)
-    ax_scale.set_ylabel("loss scale")
-    ax_scale.set_xlabel("step")
-    ax_scale.set_title("loss scale (x: skipped step)")
-    ax_scale.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return plt
+
+
+def _column(result: RunResult, key: str, dtype: Any = np.float64) -> np.ndarray:
+    return np.array([r[key] for r in result.history], dtype=dtype)
 
 
 def _val_curve(result: RunResult) -> dict[int, float]:
     return {r["step"]: r["val_loss"] for r in result.history if r["val_loss"] is not None}
 
 
-def _ema(values: np.ndarray, decay: float) -> np.ndarray:
-    out = np.empty_like(values, dtype=np.float64)
-    acc = values[0] if len(values) else 0.0
-    for i, v in enumerate(values):
-        acc = decay * acc + (1 - decay) * v
-        out[i] = acc
-    return out
+def _smooth(values: np.ndarray, window: int | None = None) -> np.ndarray:
+    """Centred moving average (no lag); the window is a 60th of the run unless given."""
+    values = np.asarray(values, dtype=np.float64)
+    if window is None:
+        window = max(len(values) // 60, 1)
+    half = window // 2
+    sums = np.concatenate([[0.0], np.cumsum(values)])
+    lo = np.maximum(np.arange(len(values)) - half, 0)
+    hi = np.minimum(np.arange(len(values)) + half + 1, len(values))
+    return (sums[hi] - sums[lo]) / (hi - lo)
+
+
+def _rolling_median(values: np.ndarray, window: int) -> np.ndarray:
+    half = max(window // 2, 0)
+    return np.array(
+        [np.median(values[max(i - half, 0) : i + half + 1]) for i in range(len(values))]
+    )
+
+
+def _uses_loss_scaling(result: RunResult) -> bool:
+    return bool(np.any(_column(result, "loss_scale") != 1.0)) or result.skipped_steps > 0
+
+
+def run_figure(result: RunResult):
+    """One run: loss, loss scale with its skipped steps, and throughput (a matplotlib Figure)."""
+    plt = _pyplot()
+    fig, (ax_loss, ax_scale, ax_speed) = plt.subplots(
+        3, 1, figsize=(9, 9), sharex=True, height_ratios=(3, 2, 2)
+    )
+    steps = _column(result, "step", np.int64)
+    train = _column(result, "train_loss")
+    ax_loss.plot(steps, train, color="C0", alpha=0.25, lw=0.8, label="training loss")
+    ax_loss.plot(steps, _smooth(train), color="C0", lw=1.5, label="training loss, smoothed")
+    val = _val_curve(result)
+    if val:
+        ax_loss.plot(list(val), list(val.values()), "o-", color="C1", ms=4, label="validation")
+    ax_loss.axhline(result.unigram_loss, color="gray", ls="--", lw=1, label="unigram baseline")
+    ax_loss.set_ylabel("loss (nats/char)")
+    ax_loss.set_title(
+        f"{result.config.name} ({result.config.policy}): final validation loss "
+        f"{result.final_val_loss:.4f}"
+    )
+    ax_loss.legend(fontsize=8)
+
+    scales = _column(result, "loss_scale")
+    skipped = _column(result, "skipped", bool)
+    ax_scale.step(steps, scales, where="post", color="C2", label="loss scale")
+    if skipped.any():
+        ax_scale.plot(steps[skipped], scales[skipped], "x", color="C3", ms=7, label="skipped step")
+        ax_scale.legend(fontsize=8)
+    ax_scale.set_yscale("log", base=2)
+    ax_scale.set_ylabel("loss scale")
+    if _uses_loss_scaling(result):
+        ax_scale.set_title(
+            f"loss scale (x: step skipped, non-finite gradients; {result.skipped_steps} in all)"
+        )
+    else:
+        ax_scale.set_title("loss scale: none (1 throughout, no step skipped)")
+
+    chars = result.config.batch_size * result.config.seq_len
+    speed = chars / np.maximum(_column(result, "step_time_s"), 1e-9) / 1000
+    ax_speed.plot(steps, speed, color="C4", alpha=0.25, lw=0.8)
+    window = max(len(speed) // 30, 5)
+    ax_speed.plot(steps, _rolling_median(speed, window), color="C4", lw=1.5)
+    ax_speed.set_ylim(bottom=0)
+    ax_speed.set_ylabel("thousand chars/s")
+    ax_speed.set_xlabel("step")
+    ax_speed.set_title(
+        f"throughput (per step, and rolling median of {window}); median "
+        f"{1000 * result.median_step_time:.1f} ms/step"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def comparison_figure(results: Sequence[RunResult]):
+    """Several runs: losses, their differences from the fp32 run, and the loss scales."""
+    plt = _pyplot()
+    fig, (ax_loss, ax_diff, ax_scale) = plt.subplots(
+        3, 1, figsize=(9, 10), sharex=True, height_ratios=(3, 3, 2)
+    )
+    reference = _reference(results)
+    ref_steps = _column(reference, "step", np.int64)
+    ref_train = _column(reference, "train_loss")
+    ref_val = _val_curve(reference)
+    last_step = max(int(r.history[-1]["step"]) for r in results if r.history)
+    # Validation markers of different configs side by side rather than on top of each other.
+    nudge = 0.006 * last_step
+
+    ax_loss.plot(
+        ref_steps,
+        _smooth(ref_train),
+        color="gray",
+        lw=1,
+        label=f"{reference.config.name} training loss, smoothed",
+    )
+    ax_loss.axhline(results[0].unigram_loss, color="gray", ls="--", lw=1, label="unigram baseline")
+    for i, result in enumerate(results):
+        color, linestyle, marker = STYLES[i % len(STYLES)]
+        offset = (i - (len(results) - 1) / 2) * nudge
+        val = _val_curve(result)
+        if val:
+            ax_loss.plot(
+                np.array(list(val)) + offset,
+                list(val.values()),
+                marker=marker,
+                ls="none",
+                color=color,
+                ms=5,
+                label=result.config.name,
+            )
+        if result is reference:
+            continue
+        steps = _column(result, "step", np.int64)
+        common = np.intersect1d(steps, ref_steps)
+        if len(common):
+            mine = _column(result, "train_loss")[np.searchsorted(steps, common)]
+            theirs = ref_train[np.searchsorted(ref_steps, common)]
+            diff = _smooth(100 * (mine / theirs - 1))
+            ax_diff.plot(common, diff, color=color, ls=linestyle, lw=1.5, label=result.config.name)
+        both = [s for s in val if s in ref_val]
+        if both:
+            ax_diff.plot(
+                both,
+                [100 * (val[s] / ref_val[s] - 1) for s in both],
+                marker=marker,
+                ls="none",
+                color=color,
+                ms=6,
+                mec="black",
+                mew=0.5,
+            )
+    ax_loss.set_ylabel("loss (nats/char)")
+    ax_loss.set_title(
+        f"validation loss (markers); training loss of {reference.config.name} (line, smoothed)",
+        fontsize=10,
+    )
+    ax_loss.legend(fontsize=8, ncol=2)
+    ax_diff.axhline(0.0, color="gray", lw=1)
+    ax_diff.set_ylabel(f"% vs {reference.config.name}")
+    ax_diff.set_title(
+        f"difference from {reference.config.name} (%): training loss on the same batches "
+        "(lines, smoothed), validation loss (markers)",
+        fontsize=10,
+    )
+    if ax_diff.get_legend_handles_labels()[0]:
+        ax_diff.legend(fontsize=8, ncol=2)
+
+    scaled = [r for r in results if _uses_loss_scaling(r)]
+    for k, result in enumerate(scaled):
+        color, linestyle, marker = STYLES[results.index(result) % len(STYLES)]
+        # Equal trajectories (mixed_float16 and float16 master weights often are) would hide
+        # each other: nudge each by a fraction of an octave.
+        nudge_octaves = 0.08 * (k - (len(scaled) - 1) / 2)
+        steps = _column(result, "step", np.int64)
+        scales = _column(result, "loss_scale") * 2.0**nudge_octaves
+        skipped = _column(result, "skipped", bool)
+        ax_scale.step(
+            steps, scales, where="post", color=color, ls=linestyle, lw=1.5, label=result.config.name
+        )
+        if skipped.any():
+            ax_scale.plot(steps[skipped], scales[skipped], marker="x", ls="none", color=color, ms=7)
+    unscaled = [r.config.name for r in results if not _uses_loss_scaling(r)]
+    title = "loss scale (x: skipped step"
+    if len(scaled) > 1:
+        title += "; equal lines nudged apart, by up to 0.1 octave"
+    title += ")"
+    if unscaled:
+        title += f"\nno loss scaling (scale 1): {', '.join(unscaled)}"
+    ax_scale.set_title(title, fontsize=10)
+    ax_scale.set_yscale("log", base=2)
+    ax_scale.set_ylabel("loss scale")
+    ax_scale.set_xlabel("step")
+    if scaled:
+        ax_scale.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_run(result: RunResult, path: pathlib.Path) -> None:
+    """Saves `run_figure(result)` to `path`."""
+    _save(run_figure(result), path)
+
+
+def plot_comparison(results: Sequence[RunResult], path: pathlib.Path) -> None:
+    """Saves `comparison_figure(results)` to `path`."""
+    _save(comparison_figure(results), path)
+
+
+def _save(fig, path: pathlib.Path) -> None:
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
+def _reference(results: Sequence[RunResult]) -> RunResult:
+    """The fp32 run if there is one, else the first."""
+    f32 = jaxmp.get_policy("f32")
+    return next((r for r in results if r.config.policy == f32), results[0])
+
+
+def signed_percent(fraction: float) -> str:
+    """``+1.23%``; a value that rounds to zero is ``+0.00%`` (never ``-0.00%``)."""
+    text = f"{100 * fraction:+.2f}%"
+    return "+0.00%" if text == "-0.00%" else text
 
 
 def summarize(results: Sequence[RunResult]) -> str:
     """A Markdown table comparing `results` (against the fp32 run, if any), then text samples."""
-    reference = next((r for r in results if r.config.policy == jaxmp.get_policy("f32")), None)
+    f32 = jaxmp.get_policy("f32")
+    reference = next((r for r in results if r.config.policy == f32), None)
     ref_params = (reference or results[0]).state.params
     dataset = get_dataset(results[0].config.val_fraction)
     batch = data_lib.eval_batches(
@@ -568,7 +1018,7 @@ def summarize(results: Sequence[RunResult]) -> str:
     for r in results:
         diff = "n/a"
         if reference is not None:
-            diff = f"{100 * (r.final_val_loss / reference.final_val_loss - 1):+.2f}%"
+            diff = signed_percent(r.final_val_loss / reference.final_val_loss - 1)
         kwargs = dict(vocab_size=dataset.vocab_size)
         underflow = gradient_underflow(r.config, ref_params, batch, r.final_loss_scale, **kwargs)
         logit_underflow = logit_gradient_underflow(
@@ -577,7 +1027,7 @@ def summarize(results: Sequence[RunResult]) -> str:
         memory = "n/a" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.1f} MiB"
         lines.append(
             f"| {r.config.name} | {r.config.policy} | {r.final_val_loss:.4f} | {diff} "
-            f"| {r.skipped_steps} | {_describe_scale(r.final_loss_scale)} "
+            f"| {r.skipped_steps} | {describe_scale(r.final_loss_scale)} "
             f"| {1000 * r.median_step_time:.1f} ms | {memory} "
             f"| {100 * underflow:.4f}% | {100 * logit_underflow:.2f}% |"
         )
@@ -603,20 +1053,87 @@ def summarize(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def compare(
+def load_configs(
     names: Sequence[str],
     workdir: str | pathlib.Path,
     overrides: Sequence[str] = (),
     *,
-    progress: bool = True,
-) -> tuple[list[RunResult], str]:
-    """Trains each named config (same data and seed) in ``workdir/<name>``; returns the summary.
+    resume: bool = False,
+) -> list[config_lib.Config]:
+    """The configs of a comparison; with `resume`, each started run's own ``config.yaml``.
 
-    Writes ``summary.md``, ``summary.json`` and ``compare.png`` to `workdir`.
+    Raises:
+      ValueError: one line naming the config (or file) and key, for an invalid config.
     """
     workdir = pathlib.Path(workdir)
-    configs = [config_lib.load(name, overrides) for name in names]  # Fail before training.
-    results = [train_and_evaluate(c, workdir / c.name, progress=progress) for c in configs]
+    configs = []
+    for name in names:
+        saved = workdir / name / "config.yaml"
+        configs.append(
+            config_lib.load(str(saved) if resume and saved.is_file() else name, overrides)
+        )
+    seen = [c.name for c in configs]
+    if len(set(seen)) != len(seen):
+        raise ValueError(
+            f"--compare needs configs with distinct names (each runs in <workdir>/<name>), "
+            f"got {', '.join(seen)}; do not --set name."
+        )
+    for config in configs:
+        if config.mesh:
+            sharding.parse_mesh(config.mesh)
+    return configs
+
+
+def compare(
+    configs: Sequence[config_lib.Config],
+    workdir: str | pathlib.Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> tuple[list[RunResult], str]:
+    """Trains each config (same data and seed) in ``workdir/<name>``; returns the summary.
+
+    Writes ``summary.md``, ``summary.json`` and ``compare.png`` to `workdir`. The same rules
+    as for one run hold for the whole comparison: a new comparison needs an empty `workdir`;
+    `resume` continues the runs that have started (a finished run is only evaluated again)
+    and starts the others; `overwrite` replaces the outputs of these configs' runs and the
+    summary, and leaves anything else in `workdir` alone.
+
+    Raises:
+      RunDirError: before any training, if `workdir` does not fit the request.
+    """
+    workdir = pathlib.Path(workdir).resolve()
+    if resume and overwrite:
+        raise ValueError("`resume` and `overwrite` exclude each other.")
+    started = [c.name for c in configs if not _is_empty(workdir / c.name)]
+    if resume:
+        if not started:
+            raise RunDirError(
+                f"--resume: no runs of {', '.join(c.name for c in configs)} in "
+                f"{show_path(workdir)}; check --workdir, or start without --resume."
+            )
+        for name in started:
+            check_workdir(workdir / name, resume=True, overwrite=False)
+    elif not overwrite and not _is_empty(workdir):
+        runs = sorted(p.name for p in workdir.iterdir() if p.is_dir())
+        held = f"runs ({', '.join(runs)})" if runs else "files"
+        raise RunDirError(
+            f"{show_path(workdir)} already holds {held}; continue them with --resume, replace "
+            "them with --overwrite, or choose another --workdir."
+        )
+    if overwrite:
+        remove_run_outputs(workdir, COMPARE_OUTPUTS)  # A stale summary must not outlive its runs.
+    results = [
+        train_and_evaluate(
+            c,
+            workdir / c.name,
+            resume=c.name in started if resume else False,
+            overwrite=overwrite,
+            progress=progress,
+        )
+        for c in configs
+    ]
     table = summarize(results)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "summary.md").write_text(table + "\n")
@@ -634,7 +1151,7 @@ def compare(
         for r in results
     ]
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_runs(results, workdir / "compare.png")
+    plot_comparison(results, workdir / "compare.png")
     return results, table
 
 
@@ -643,18 +1160,66 @@ def _compare_order(name: str) -> tuple[int, str]:
     return (preferred.index(name) if name in preferred else len(preferred), name)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2)."""
+
+    def fail(self, message: object, status: int = 2) -> None:
+        self.exit(status, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+    def error(self, message: str) -> None:  # argparse's own errors: bad options
+        self.fail(f"{message} (see --help)")
+
+
+def _epilog() -> str:
+    configs = config_lib.describe_configs()
+    width = max(len(name) for name, _ in configs) if configs else 0
+    lines = [
+        "configs (--config NAME, a file name in configs/ or the path of a YAML file):",
+        *(f"  {name:<{width}}  {text}" for name, text in configs),
+        "",
+        "config keys (--set KEY=VALUE, repeatable; shown with their defaults):",
+        textwrap.fill(
+            config_lib.describe_keys(),
+            width=96,
+            initial_indent="  ",
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+        ),
+        "  precision: any string jaxmp.get_policy accepts (f32, mixed_float16, p=f16,c=f16,o=f32)",
+        f"  loss_scale: one of {', '.join(config_lib.LOSS_SCALE_KINDS)}",
+        "",
+        "A new run needs an empty --workdir: --resume continues the run in it from its latest "
+        "checkpoint, --overwrite replaces that run's outputs (once the new run is ready to "
+        "start). Ctrl-C stops after the step in progress with its metrics and checkpoint saved.",
+    ]
+    return "\n".join(lines[:-1] + [textwrap.fill(lines[-1], width=98)])
+
+
+def make_parser() -> _Parser:
+    parser = _Parser(
+        prog="train.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        help=f"config name in configs/ or a YAML path (default {DEFAULT_CONFIG})",
+        help=f"config name, file name in configs/, or YAML path (default {DEFAULT_CONFIG})",
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
-    parser.add_argument("--workdir", help="output directory (default runs/<config name>)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    parser.add_argument(
+        "--workdir", help="run directory (default runs/<config name>, or runs/compare)"
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--resume", action="store_true", help="continue the run in --workdir from its checkpoint"
+    )
+    mode.add_argument(
+        "--overwrite", action="store_true", help="replace the run in --workdir (default: refuse)"
+    )
     parser.add_argument(
         "--compare",
         nargs="?",
@@ -666,41 +1231,62 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--mesh", metavar="NAME=SIZE,...", help="shard over devices, e.g. data=4,model=2"
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = make_parser()
     args = parser.parse_args(argv)
     if args.mesh:
         args.set.append(f"mesh={args.mesh}")
     progress = not args.no_progress
+    # Invalid input is reported before anything is trained or written.
     try:
         if args.compare is not None:
             names = args.compare.split(",")
             if args.compare == "all":
                 names = sorted(config_lib.available(), key=_compare_order)
-            workdir = args.workdir or REPO_ROOT / "runs" / "compare"
-            _, table = compare(names, workdir, args.set, progress=progress)
-            print(table)
-            print(f"figure and summary: {workdir}")
-            return
-        config = config_lib.load(args.config, args.set)
-        workdir = pathlib.Path(args.workdir or REPO_ROOT / "runs" / config.name)
-        if args.resume and (workdir / "config.yaml").exists():
-            config = config_lib.load(str(workdir / "config.yaml"), args.set)
-        if config.mesh:
-            sharding.parse_mesh(config.mesh)
+            workdir = pathlib.Path(args.workdir or REPO_ROOT / "runs" / "compare")
+            configs = load_configs(names, workdir, args.set, resume=args.resume)
+        else:
+            config = config_lib.load(args.config, args.set)
+            workdir = pathlib.Path(args.workdir or REPO_ROOT / "runs" / config.name)
+            if args.resume and (workdir / "config.yaml").is_file():
+                config = config_lib.load(str(workdir / "config.yaml"), args.set)
+            if config.mesh:
+                sharding.parse_mesh(config.mesh)
     except ValueError as e:
-        parser.error(str(e))
+        parser.fail(e)
     try:
-        result = train_and_evaluate(config, workdir, resume=args.resume, progress=progress)
+        if args.compare is not None:
+            _, table = compare(
+                configs,
+                workdir,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                progress=progress,
+            )
+            print(table)
+            print(f"figure and summary: {show_path(workdir)}")
+            return
+        result = train_and_evaluate(
+            config, workdir, resume=args.resume, overwrite=args.overwrite, progress=progress
+        )
+    except RunDirError as e:
+        parser.fail(e)
+    except LossScalingError as e:
+        parser.fail(e, status=1)
     except KeyboardInterrupt:
         sys.exit(130)
     print(
         f"{config.name}: final val loss {result.final_val_loss:.4f} nats/char "
         f"({data_lib.bits(result.final_val_loss):.3f} bits/char; unigram baseline "
         f"{result.unigram_loss:.4f}), skipped steps {result.skipped_steps}, final loss scale "
-        f"{_describe_scale(result.final_loss_scale)}, median step "
+        f"{describe_scale(result.final_loss_scale)}, median step "
         f"{1000 * result.median_step_time:.1f} ms"
     )
     print(f"sample: {result.sample!r}")
-    print(f"outputs: {workdir}")
+    print(f"outputs: {show_path(workdir)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,18 @@
-"""Smoke tests of examples/train.py: a few steps of tiny configs, with numbers asserted."""
+"""Tests of examples/train.py: tiny runs with numbers asserted, the command line, interrupts.
 
+One tiny run (`finished`) is trained once and shared: the resume, interrupt, refusal and figure
+tests compare against it or work on copies of its directory. Runs of equal configs share
+compiled programs through a persistent compilation cache, so each later run compiles nothing.
+"""
+
+import dataclasses
 import json
 import math
+import os
 import pathlib
+import shutil
+import signal
+import subprocess
 import sys
 
 import jax
@@ -10,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import loss_scale_tools  # noqa: E402
 import train  # noqa: E402
 from lm import config as config_lib  # noqa: E402
 from lm import data as data_lib  # noqa: E402
@@ -33,6 +45,9 @@ TINY = (
     "eval_batches=2",
     "checkpoint_interval=100",
 )
+# The shared run: starting at 2^20, float16 gradients overflow, so the first steps are skipped
+# and the scale halves; it then doubles every 4 finite steps until it overflows again.
+RUN = TINY + ("checkpoint_interval=8", "loss_scale_init=1048576.0", "loss_scale_period=4")
 SHIPPED = (
     "fp32",
     "mixed_float16",
@@ -47,25 +62,12 @@ def compilation_cache(tmp_path_factory):
     """Runs of equal configs share compiled steps through a persistent cache (faster tests)."""
     options = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     saved = {name: getattr(jax.config, name) for name in options}
-    jax.config.update(options[0], str(tmp_path_factory.mktemp("jax_cache")))
+    cache = tmp_path_factory.mktemp("jax_cache")
+    jax.config.update(options[0], str(cache))
     jax.config.update(options[1], 0.0)
-    yield
+    yield cache
     for name, value in saved.items():
         jax.config.update(name, value)
-
-
-@pytest.fixture(scope="module")
-def shipped_runs(tmp_path_factory):
-    """Each shipped config trained once (tiny), shared by the tests that inspect the result."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            workdir = tmp_path_factory.mktemp(name)
-            cache[name] = run(tiny(name, "loss_scale_period=4"), workdir)
-        return cache[name]
-
-    return get
 
 
 def tiny(name, *overrides):
@@ -74,7 +76,79 @@ def tiny(name, *overrides):
 
 def run(config, workdir, **kwargs):
     kwargs.setdefault("sample_length", 0)
+    kwargs.setdefault("figure", False)
     return train.train_and_evaluate(config, workdir, progress=False, verbose=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """The shared tiny run, trained to the end (checkpoints at steps 16 and 24 remain)."""
+    config = config_lib.load("mixed_float16", RUN)
+    return run(config, tmp_path_factory.mktemp("finished") / "run", figure=True)
+
+
+def copy_run(result, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(result.workdir, target)
+    return target
+
+
+def snapshot(directory):
+    """Every file under `directory`, by relative path, with its bytes."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(pathlib.Path(directory).rglob("*"))
+        if p.is_file()
+    }
+
+
+def metrics_steps(workdir):
+    with open(workdir / "metrics.jsonl") as f:
+        jsonl = [json.loads(line)["step"] for line in f]
+    csv_rows = (workdir / "metrics.csv").read_text().splitlines()[1:]
+    return jsonl, [int(row.split(",")[0]) for row in csv_rows]
+
+
+def without_time(history):
+    return [{k: v for k, v in r.items() if k != "step_time_s"} for r in history]
+
+
+def assert_identical(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_same_run(result, reference):
+    """`result` (interrupted and resumed) is bit for bit the uninterrupted `reference`."""
+    assert_identical(result.state.params, reference.state.params)
+    assert_identical(result.state.opt_state, reference.state.opt_state)
+    assert without_time(result.history) == without_time(reference.history)
+    assert result.final_val_loss == reference.final_val_loss
+    steps = list(range(1, reference.config.steps + 1))
+    assert metrics_steps(result.workdir) == (steps, steps)
+
+
+def check_loss_scale_rule(config, history):
+    """The dynamic rule: halve on a skipped step, double after `period` finite steps."""
+    previous, finite_run = config.loss_scale_init, 0
+    for record in history:
+        scale = record["loss_scale"]
+        if record["skipped"]:
+            assert scale == max(previous / 2, config.loss_scale_min)
+            finite_run = 0
+        else:
+            finite_run += 1
+            expected = previous * 2 if finite_run == config.loss_scale_period else previous
+            finite_run %= config.loss_scale_period
+            assert scale == expected
+        previous = scale
+
+
+# --- A run's numbers and outputs -------------------------------------------------------------
 
 
 def test_shipped_configs_are_the_documented_ones():
@@ -88,12 +162,8 @@ def test_shipped_configs_are_the_documented_ones():
     assert config_lib.load("float16_no_loss_scale").loss_scale == "none"
 
 
-@pytest.mark.parametrize("name", SHIPPED)
-def test_train_shipped_config(name, shipped_runs):
-    # A scale period of 4 makes the dynamic configs grow (and possibly back off) in 24 steps.
-    result = shipped_runs(name)
+def check_run(result):
     config = result.config
-    tmp_path = result.workdir
     history = result.history
     losses = np.array([r["train_loss"] for r in history])
     assert len(history) == config.steps
@@ -102,7 +172,6 @@ def test_train_shipped_config(name, shipped_runs):
     assert math.isfinite(result.final_val_loss)
     assert result.final_val_loss < math.log(train.get_dataset(0.1).vocab_size)
     assert result.peak_memory_bytes is None or result.peak_memory_bytes > 0
-
     policy = config.policy
     assert {leaf.dtype for leaf in jax.tree.leaves(result.state.params)} == {policy.param_dtype}
     assert int(result.state.step) == config.steps
@@ -115,75 +184,45 @@ def test_train_shipped_config(name, shipped_runs):
         assert result.skipped_steps == 0
     else:
         assert config.loss_scale == "dynamic"
-        previous, finite_run = config.loss_scale_init, 0
-        for scale, was_skipped in zip(scales, skipped, strict=True):
-            if was_skipped:
-                assert scale == max(previous / 2, config.loss_scale_min)
-                finite_run = 0
-            else:
-                finite_run += 1
-                expected = previous * 2 if finite_run == config.loss_scale_period else previous
-                finite_run %= config.loss_scale_period
-                assert scale == expected
-            previous = scale
-        assert scales.max() > config.loss_scale_init  # it grew at least once
+        check_loss_scale_rule(config, history)
+        assert scales.max() > scales.min()
 
-    # Outputs: metrics (JSONL and CSV), the resolved config, the figure, a checkpoint.
-    with open(tmp_path / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    assert [r["step"] for r in rows] == list(range(1, config.steps + 1))
-    header = (tmp_path / "metrics.csv").read_text().splitlines()[0]
+    workdir = result.workdir
+    steps = list(range(1, config.steps + 1))
+    assert metrics_steps(workdir) == (steps, steps)
+    header = (workdir / "metrics.csv").read_text().splitlines()[0]
     assert header.split(",") == list(train.COLUMNS)
-    assert config_lib.load(str(tmp_path / "config.yaml")) == config
-    assert (tmp_path / "losses.png").stat().st_size > 0
-    assert (tmp_path / "checkpoints" / str(config.steps)).is_dir()
+    assert config_lib.load(str(workdir / "config.yaml")) == config
+    assert (workdir / "losses.png").stat().st_size > 0
+    assert train.checkpoint_steps(workdir)[-1] == config.steps
 
 
-def test_dynamic_scale_backs_off_and_skips(tmp_path):
-    # Starting at 2^20, float16 gradients overflow: steps are skipped and the scale halves
-    # until the gradients are finite again.
-    config = tiny("mixed_float16", "loss_scale_init=1048576.0", "steps=12")
-    result = run(config, tmp_path)
-    skipped = [r["skipped"] for r in result.history]
-    assert result.skipped_steps >= 2
-    assert skipped[0] and not skipped[-1]
-    assert result.history[0]["loss_scale"] == 2.0**19
-    assert result.final_loss_scale == 2.0 ** (20 - result.skipped_steps)
-    metrics = jaxmp.loss_scale_metrics(result.state.opt_state)
-    assert int(metrics["skipped_steps"]) == result.skipped_steps
+def test_finished_run(finished):
+    check_run(finished)
+    # Skips first (the scale starts too high), then growth every 4 finite steps.
+    skipped = [r["skipped"] for r in finished.history]
+    assert skipped[:2] == [True, True] and finished.history[0]["loss_scale"] == 2.0**19
+    assert max(r["loss_scale"] for r in finished.history[5:]) > min(
+        r["loss_scale"] for r in finished.history
+    )
+    metrics = jaxmp.loss_scale_metrics(finished.state.opt_state)
+    assert int(metrics["skipped_steps"]) == finished.skipped_steps
+    assert train.checkpoint_steps(finished.workdir) == [16, 24]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHIPPED)
+def test_train_shipped_config(name, tmp_path):
+    # A scale period of 4 makes the dynamic configs grow (and possibly back off) in 24 steps.
+    check_run(run(tiny(name, "loss_scale_period=4"), tmp_path, figure=True))
+
+
+@pytest.mark.slow
 def test_static_loss_scale_is_constant(tmp_path):
     config = tiny("mixed_float16", "loss_scale=static", "loss_scale_init=1024.0", "steps=6")
     result = run(config, tmp_path)
     assert [r["loss_scale"] for r in result.history] == [1024.0] * 6
     assert result.skipped_steps == 0
-
-
-def test_resume_is_bit_identical(tmp_path, shipped_runs):
-    # Stop half-way (as if interrupted), resume from the checkpoint, finish: the same run.
-    full = shipped_runs("mixed_float16")
-    config = full.config
-    first = run(config, tmp_path, stop_at=config.steps // 2)
-    assert int(first.state.step) == config.steps // 2
-    resumed = run(config, tmp_path, resume=True)
-    assert int(resumed.state.step) == config.steps
-
-    def assert_identical(a, b):
-        leaves_a, tree_a = jax.tree.flatten(a)
-        leaves_b, tree_b = jax.tree.flatten(b)
-        assert tree_a == tree_b
-        for x, y in zip(leaves_a, leaves_b, strict=True):
-            assert x.dtype == y.dtype
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-    assert_identical(full.state.params, resumed.state.params)
-    assert_identical(full.state.opt_state, resumed.state.opt_state)
-    drop_time = [{k: v for k, v in r.items() if k != "step_time_s"} for r in full.history]
-    assert drop_time == [
-        {k: v for k, v in r.items() if k != "step_time_s"} for r in resumed.history
-    ]
-    assert resumed.final_val_loss == full.final_val_loss
 
 
 def test_batches_depend_only_on_seed_and_step():
@@ -197,6 +236,244 @@ def test_batches_depend_only_on_seed_and_step():
     assert dataset.decode(dataset.encode("The for")) == "The for"
     assert len(dataset.val) == pytest.approx(0.1 * (len(dataset.train) + len(dataset.val)), 1)
     assert 3.0 < data_lib.unigram_entropy(dataset.train, dataset.val, dataset.vocab_size) < 3.5
+
+
+# --- Nothing is lost: refusal, overwrite, resume --------------------------------------------
+
+
+def test_new_run_refuses_a_finished_run(finished):
+    before = snapshot(finished.workdir)
+    with pytest.raises(train.RunDirError, match="--resume.*--overwrite") as excinfo:
+        run(finished.config, finished.workdir)
+    assert "checkpoint at step 24" in str(excinfo.value)
+    assert snapshot(finished.workdir) == before
+
+
+def test_overwrite_replaces_only_the_run(finished, tmp_path):
+    workdir = copy_run(finished, tmp_path)
+    (workdir / "notes.txt").write_text("mine")
+    (workdir / "metrics.jsonl").write_text('{"step": 1}\n')  # will be replaced
+    result = run(finished.config, workdir, overwrite=True)
+    assert (workdir / "notes.txt").read_text() == "mine"
+    assert_same_run(result, finished)
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(train.RunDirError, match="no checkpoint in .*does not exist"):
+        run(tiny("mixed_float16"), tmp_path / "typo", resume=True)
+    assert not (tmp_path / "typo").exists()
+
+
+class Interrupt:
+    """Patches `MetricsWriter.write` to interrupt a run at step `at`, in one of three ways."""
+
+    def __init__(self, monkeypatch, at, how):
+        original = train.MetricsWriter.write
+
+        def write(writer, record):
+            if record["step"] != at:
+                return original(writer, record)
+            if how == "before_row":  # Ctrl-C after the step ran, before its row is written
+                raise KeyboardInterrupt
+            if how == "between_files":  # Ctrl-C with the JSON line written, the CSV row not
+                writer._jsonl.write(json.dumps(record) + "\n")
+                raise KeyboardInterrupt
+            assert how == "sigint"  # a real SIGINT arriving while the step is in progress
+            signal.raise_signal(signal.SIGINT)
+            return original(writer, record)
+
+        monkeypatch.setattr(train.MetricsWriter, "write", write)
+
+
+def test_interrupts_then_resume_give_the_uninterrupted_run(finished, tmp_path, monkeypatch):
+    workdir = tmp_path / "run"
+    # (how, at, the step of the checkpoint left behind): a SIGINT lets the step finish; an
+    # interrupt before the step's rows are complete leaves the checkpoint of the step before.
+    interrupts = [("before_row", 5, 4), ("sigint", 10, 10), ("between_files", 15, 14)]
+    for i, (how, at, saved) in enumerate(interrupts):
+        with monkeypatch.context() as patch:
+            Interrupt(patch, at=at, how=how)
+            with pytest.raises(KeyboardInterrupt):
+                run(finished.config, workdir, resume=i > 0)
+        assert train.checkpoint_steps(workdir)[-1] == saved, how
+        jsonl, csv_steps = metrics_steps(workdir)
+        assert csv_steps == list(range(1, saved + 1)), how
+        assert jsonl[:saved] == csv_steps and len(jsonl) <= saved + 1, how
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert_same_run(run(finished.config, workdir, resume=True), finished)
+
+
+def test_resume_after_a_crash_recomputes_the_rows_after_the_checkpoint(finished, tmp_path):
+    # A run killed after step 24's rows were written but before its checkpoint, mid-line.
+    workdir = copy_run(finished, tmp_path)
+    shutil.rmtree(workdir / "checkpoints" / "24")
+    with open(workdir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 25, "train_lo')
+    assert_same_run(run(finished.config, workdir, resume=True), finished)
+
+
+def test_resume_with_missing_rows_is_an_error(finished, tmp_path):
+    workdir = copy_run(finished, tmp_path)
+    lines = (workdir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (workdir / "metrics.jsonl").write_text("".join(lines[:5] + lines[6:]))
+    before = snapshot(workdir)
+    with pytest.raises(train.RunDirError, match=r"has no rows for steps 6 \(of 1 to 24"):
+        run(finished.config, workdir, resume=True)
+    assert snapshot(workdir) == before
+
+
+# --- The command line: one line on stderr, exit status 2, nothing touched ------------------
+
+
+def _truncate_largest_file(directory):
+    largest = max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+
+
+@pytest.fixture(scope="module")
+def cli(finished, compilation_cache, tmp_path_factory):
+    """Runs every case of `CLI_CASES` (forked from one process that imported train.py)."""
+    base = tmp_path_factory.mktemp("cli")
+    (base / "bad.yaml").write_text("precision: mixed_float16\nsteps: [1, 2\n")
+    for name in ("refused", "overwrite_bad_set", "corrupt", "compare/mixed_float16"):
+        shutil.copytree(finished.workdir, base / name)
+    _truncate_largest_file(base / "corrupt" / "checkpoints" / "24")
+    before = {name: snapshot(base / name) for name in ("refused", "overwrite_bad_set", "corrupt")}
+    cases = {name: args for name, (args, _) in CLI_CASES.items()}
+    (base / "cases.json").write_text(json.dumps(cases))
+    out = base / "out"
+    out.mkdir()
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(compilation_cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "train_cli.py"), "cases.json", str(out)],
+        cwd=base,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+
+    def result(name):
+        return (
+            int((out / f"{name}.status").read_text()),
+            (out / f"{name}.err").read_text(),
+            (out / f"{name}.out").read_text(),
+        )
+
+    return base, before, result
+
+
+def _set(*keys):
+    return [arg for key in keys for arg in ("--set", key)]
+
+
+VALID_NAMES = "valid names are: float16_master_weights, float16_no_loss_scale, fp32, "
+CLI_CASES = {
+    "malformed_yaml": (
+        ["--config", "bad.yaml"],
+        ["config file bad.yaml is not valid YAML at line 3, column 1", "mapping of `key: value`"],
+    ),
+    # `fp32.yaml` is found in configs/: the error is about the override, not the file.
+    "config_file_name": (
+        ["--config", "fp32.yaml", *_set("steps=0")],
+        ["config key `steps` must be > 0, got 0"],
+    ),
+    "unknown_file_name": (
+        ["--config", "fp64.yaml"],
+        ["config file fp64.yaml not found; " + VALID_NAMES, "(or the path of a YAML file)"],
+    ),
+    "missing_path": (
+        ["--config", "no/such/dir/run.yaml"],
+        ["config file no/such/dir/run.yaml not found; " + VALID_NAMES],
+    ),
+    "unknown_name": (["--config", "fp64"], ["unknown config 'fp64'; " + VALID_NAMES]),
+    "unknown_key": (
+        _set("colour=red"),
+        ["unknown config key `colour`; valid keys are: name, precision, loss_scale"],
+    ),
+    "bad_value": (_set("steps=ten"), ["config key `steps` must be int, got 'ten'"]),
+    "bad_precision": (_set("precision=f17"), ["config key `precision`", "f17"]),
+    "set_without_value": (
+        _set("steps"),
+        ["--set expects KEY=VALUE, got 'steps'; valid keys are: name, precision"],
+    ),
+    "refused": (
+        ["--workdir", "refused", *_set(*RUN)],
+        [
+            "refused already holds a run (checkpoint at step 24); continue it with --resume, "
+            "replace it with --overwrite, or choose another --workdir."
+        ],
+    ),
+    "overwrite_bad_set": (
+        ["--workdir", "overwrite_bad_set", "--overwrite", *_set(*RUN, "steps=-3")],
+        ["config key `steps` must be > 0, got -3"],
+    ),
+    "resume_no_checkpoint": (
+        ["--workdir", "typo", "--resume"],
+        ["--resume: no checkpoint in typo/checkpoints (the directory does not exist)"],
+    ),
+    "corrupt_checkpoint": (
+        ["--workdir", "corrupt", "--resume"],
+        [
+            "--resume: cannot read checkpoint corrupt/checkpoints/24 (",
+            "delete it to resume from step 16, or start again with --overwrite.",
+        ],
+    ),
+    "compare_refused": (
+        ["--compare", "fp32,mixed_float16", "--workdir", "compare"],
+        ["compare already holds runs (mixed_float16); continue them with --resume, replace"],
+    ),
+    "resume_and_overwrite": (
+        ["--resume", "--overwrite"],
+        ["argument --overwrite: not allowed with argument --resume (see --help)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_cli_error_is_one_line(cli, case):
+    base, before, result = cli
+    status, err, out = result(case)
+    assert status == 2, (status, err, out)
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("train.py: error: ")
+    for text in CLI_CASES[case][1]:
+        assert text in err, err
+    assert out == ""
+    if case in before:  # nothing in a run directory was touched
+        assert snapshot(base / case) == before[case]
+
+
+def test_script_error_is_one_line(tmp_path):
+    # The same, through `python examples/train.py` itself: a fresh interpreter and no traceback.
+    (tmp_path / "bad.yaml").write_text("precision: [mixed_float16\n")
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train.py"), "--config", "bad.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "train.py: error: config file bad.yaml is not valid YAML at line 2, column 1: expected "
+        "',' or ']', but got '<stream end>'; a config is a mapping of `key: value` lines."
+    ]
+
+
+def test_help_lists_configs_and_keys(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        train.main(["--help"])
+    assert excinfo.value.code == 0
+    text = capsys.readouterr().out
+    for name in config_lib.available():
+        assert f"\n  {name} " in text
+    for field in dataclasses.fields(config_lib.Config):
+        assert f"{field.name}=" in text
+    assert "--overwrite" in text and "--resume" in text
 
 
 @pytest.mark.parametrize(
@@ -223,21 +500,151 @@ def test_config_errors_name_the_key(overrides, message):
 def test_config_file_errors(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("precision: mixed_float16\nbatch: 3\n")
-    with pytest.raises(ValueError, match="unknown config key `batch`"):
+    with pytest.raises(ValueError, match=f"config file {path}: unknown config key `batch`"):
         config_lib.load(str(path))
     path.write_text("precision: mixed_float16\nlearning_rate: 3e-3\n")  # YAML reads a string
     assert config_lib.load(str(path)).learning_rate == 0.003
+    path.write_text("- a list\n")
+    with pytest.raises(ValueError, match="must hold a mapping of `key: value` lines"):
+        config_lib.load(str(path))
     with pytest.raises(ValueError, match="unknown config 'fp64'; valid names are: "):
         config_lib.load("fp64")
+    assert config_lib.config_path("fp32.yaml") == config_lib.CONFIG_DIR / "fp32.yaml"
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(ValueError, match="is not a file"):
+        config_lib.config_path(str(tmp_path / "dir.yaml"))
 
 
-def test_main_reports_config_errors(capsys):
-    with pytest.raises(SystemExit) as excinfo:
-        train.main(["--set", "precision=f17"])
-    assert excinfo.value.code == 2
-    assert "config key `precision`" in capsys.readouterr().err
+# --- The first-step check: gradients must follow the loss scale ------------------------------
 
 
+@pytest.mark.slow
+def test_unscaled_gradients_stop_the_run(tmp_path, monkeypatch):
+    def unscaled(fun):
+        return lambda loss_scale, *args: jax.value_and_grad(fun)(*args)
+
+    monkeypatch.setattr(jaxmp, "value_and_grad", unscaled)
+    config = tiny("mixed_float16", "steps=2")
+    try:
+        with pytest.raises(loss_scale_tools.LossScalingError, match="jaxmp.value_and_grad"):
+            run(config, tmp_path / "run")
+    finally:
+        train.programs.cache_clear()  # it holds the train step built with `unscaled`
+    assert not (tmp_path / "run").exists()
+
+
+# --- Figures and the summary ------------------------------------------------------------------
+
+
+def _data_lines(ax, labelled=False):
+    """The lines of `ax` drawn from per-step data (not reference lines or a few markers)."""
+    return [
+        line
+        for line in ax.get_lines()
+        if len(line.get_xdata()) > 2 and not (labelled and line.get_label().startswith("_"))
+    ]
+
+
+def test_run_figure_panels_tell_something(finished):
+    fig = train.run_figure(finished)
+    try:
+        ax_loss, ax_scale, ax_speed = fig.axes
+        for ax in fig.axes:
+            lines = _data_lines(ax)
+            assert lines, ax.get_title()
+            assert any(np.ptp(np.asarray(line.get_ydata(), float)) > 0 for line in lines)
+            for line in lines:  # no flat zero line
+                assert np.any(np.asarray(line.get_ydata(), float) != 0), ax.get_title()
+        markers = [line for line in ax_scale.get_lines() if line.get_marker() == "x"]
+        assert len(markers) == 1 and len(markers[0].get_xdata()) == finished.skipped_steps
+        assert f"{finished.skipped_steps} in all" in ax_scale.get_title()
+        assert all(np.asarray(line.get_ydata()).min() > 0 for line in _data_lines(ax_speed))
+        assert "throughput" in ax_speed.get_title()
+    finally:
+        train._pyplot().close(fig)
+
+
+def _variant(result, name, precision, loss_factor, scale=None):
+    history = [
+        {
+            **r,
+            "train_loss": r["train_loss"] * loss_factor,
+            "val_loss": r["val_loss"] and r["val_loss"] * loss_factor,
+        }
+        for r in result.history
+    ]
+    if scale is not None:
+        history = [
+            {**r, "loss_scale": scale, "skipped": False, "skipped_total": 0} for r in history
+        ]
+    config = dataclasses.replace(result.config, name=name, precision=precision)
+    return dataclasses.replace(result, config=config, history=history)
+
+
+def test_comparison_figure_separates_configs(finished):
+    results = [
+        _variant(finished, "fp32", "f32", 0.99, scale=1.0),
+        finished,  # mixed_float16
+        _variant(finished, "float16_master_weights", "p=f16,c=f16,o=f32", 1.005),
+        _variant(finished, "mixed_bfloat16", "mixed_bfloat16", 1.0, scale=1.0),
+    ]
+    fig = train.comparison_figure(results)
+    try:
+        ax_loss, ax_diff, ax_scale = fig.axes
+        # Every config is drawn in its own colour, line style and marker.
+        styles = {
+            (line.get_color(), str(line.get_linestyle()), line.get_label())
+            for line in _data_lines(ax_diff, labelled=True)
+        }
+        assert len(styles) == 3
+        # Differences from fp32 on a scale that shows them: ~1.0%, ~1.5% and ~1.0%.
+        diffs = {
+            line.get_label(): np.asarray(line.get_ydata())[-1]
+            for line in _data_lines(ax_diff, labelled=True)
+        }
+        assert diffs["mixed_float16"] == pytest.approx(100 / 0.99 - 100, abs=0.05)
+        assert diffs["float16_master_weights"] == pytest.approx(100 * 1.005 / 0.99 - 100, abs=0.05)
+        low, high = ax_diff.get_ylim()
+        assert high - low < 5 * max(abs(v) for v in diffs.values())
+        # Equal loss-scale trajectories stay visible side by side; unscaled configs are named.
+        scale_lines = _data_lines(ax_scale, labelled=True)
+        assert [line.get_label() for line in scale_lines] == [
+            "mixed_float16",
+            "float16_master_weights",
+        ]
+        a, b = (np.asarray(line.get_ydata()) for line in scale_lines)
+        assert np.all(a != b) and np.allclose(a, b, rtol=0.2)
+        assert scale_lines[0].get_linestyle() != scale_lines[1].get_linestyle()
+        assert "no loss scaling (scale 1): fp32, mixed_bfloat16" in ax_scale.get_title()
+        assert (
+            len(
+                [
+                    line
+                    for line in ax_loss.get_lines()
+                    if line.get_label() in {r.config.name for r in results}
+                ]
+            )
+            == 4
+        )
+    finally:
+        train._pyplot().close(fig)
+
+
+def test_signed_percent_has_no_negative_zero():
+    assert train.signed_percent(-0.00001) == "+0.00%"
+    assert train.signed_percent(0.0) == "+0.00%"
+    assert train.signed_percent(0.01234) == "+1.23%"
+    assert train.signed_percent(-0.01234) == "-1.23%"
+
+
+def test_scales_print_as_powers_of_two():
+    assert loss_scale_tools.describe_scale(2.0**20) == "2^20"
+    assert loss_scale_tools.describe_scale(1.0) == "2^0"
+    assert loss_scale_tools.describe_scale(np.float32(32768.0)) == "2^15"
+    assert loss_scale_tools.describe_scale(1000.0) == "1000"
+
+
+@pytest.mark.slow
 def test_gradient_underflow_shows_what_loss_scaling_prevents():
     config = tiny("float16_no_loss_scale")
     dataset = train.get_dataset(config.val_fraction)
@@ -257,10 +664,10 @@ def test_gradient_underflow_shows_what_loss_scaling_prevents():
     assert 0.0 < param_unscaled < unscaled and param_scaled <= param_unscaled
 
 
-def test_compare_writes_a_summary(tmp_path, capsys):
-    results, table = train.compare(
-        ["fp32", "float16_no_loss_scale"], tmp_path, TINY + ("steps=8",), progress=False
-    )
+@pytest.mark.slow
+def test_compare_writes_a_summary_and_resumes_without_training(tmp_path):
+    configs = train.load_configs(["fp32", "float16_no_loss_scale"], tmp_path, TINY + ("steps=8",))
+    results, table = train.compare(configs, tmp_path, progress=False)
     assert [r.config.name for r in results] == ["fp32", "float16_no_loss_scale"]
     rows = [line for line in table.splitlines() if line.startswith("| fp32") or "no_loss" in line]
     assert rows[0].split("|")[4].strip() == "+0.00%"
@@ -271,3 +678,50 @@ def test_compare_writes_a_summary(tmp_path, capsys):
     assert (tmp_path / "summary.md").read_text().strip() == table
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert json.loads((tmp_path / "summary.json").read_text())[0]["config"] == "fp32"
+    # Again: refused; with resume, the finished runs are evaluated, not trained again.
+    runs = {
+        name: snapshot(tmp_path / name / "checkpoints")
+        for name in ("fp32", "float16_no_loss_scale")
+    }
+    with pytest.raises(train.RunDirError, match="already holds runs"):
+        train.compare(configs, tmp_path, progress=False)
+    again, table_again = train.compare(configs, tmp_path, resume=True, progress=False)
+    assert [r.final_val_loss for r in again] == [r.final_val_loss for r in results]
+    assert {name: snapshot(tmp_path / name / "checkpoints") for name in runs} == runs
+
+
+@pytest.mark.slow
+def test_sigint_to_the_command_saves_a_consistent_run(tmp_path, compilation_cache):
+    # A real Ctrl-C to `python examples/train.py` (a long run, so it arrives mid-training).
+    workdir = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    args = [sys.executable, str(EXAMPLES / "train.py"), "--workdir", str(workdir), "--no-progress"]
+    proc = subprocess.Popen(
+        args + _set(*RUN, "steps=100000", "eval_interval=100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    for line in proc.stdout:
+        if line.startswith("step "):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert err == ""
+    stopped = int(out.strip().splitlines()[-1].split("stopped after step ")[1].split(",")[0])
+    assert train.checkpoint_steps(workdir)[-1] == stopped
+    steps = list(range(1, stopped + 1))
+    assert metrics_steps(workdir) == (steps, steps)
+    # Resuming continues from there: every step exactly once.
+    proc = subprocess.run(
+        args + ["--resume"] + _set(f"steps={stopped + 3}"),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    steps = list(range(1, stopped + 4))
+    assert metrics_steps(workdir) == (steps, steps)

@@ -198,7 +198,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep:
-        raise ValueError(f"--set expects key=value, got {text!r}.")
+        raise ValueError(f"--set expects KEY=VALUE, got {text!r}; valid keys are: {valid_keys()}.")
     if key not in _FIELD_TYPES:
         raise ValueError(f"unknown config key `{key}`; valid keys are: {valid_keys()}.")
     tp = _FIELD_TYPES[key]
@@ -213,16 +213,29 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"config key `{key}` must be {tp.__name__}, got {raw!r}.") from None
 
 
+def _valid_names() -> str:
+    return f"valid names are: {', '.join(available())} (or the path of a YAML file)"
+
+
 def config_path(name_or_path: str) -> pathlib.Path:
-    """Resolves a config name (``mixed_float16``) or a path to a YAML file."""
+    """Resolves a config name (``mixed_float16``), a file name in ``configs/`` or a path.
+
+    ``fp32``, ``fp32.yaml`` and ``configs/fp32.yaml`` name the same file; a path that does not
+    exist is an error listing the valid names.
+    """
     path = pathlib.Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.is_file():
         return path
+    if path.suffix in (".yaml", ".yml"):
+        shipped = CONFIG_DIR / path.name
+        if path.parent == pathlib.Path(".") and shipped.is_file():
+            return shipped
+        if path.exists():
+            raise ValueError(f"config file {name_or_path} is not a file; {_valid_names()}.")
+        raise ValueError(f"config file {name_or_path} not found; {_valid_names()}.")
     candidate = CONFIG_DIR / f"{name_or_path}.yaml"
-    if not candidate.exists():
-        raise ValueError(
-            f"unknown config {name_or_path!r}; valid names are: {', '.join(available())}."
-        )
+    if not candidate.is_file():
+        raise ValueError(f"unknown config {name_or_path!r}; {_valid_names()}.")
     return candidate
 
 
@@ -231,18 +244,75 @@ def available() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
-def load(name_or_path: str, overrides: Iterable[str] = ()) -> Config:
-    """Loads a YAML config by name or path and applies ``key=value`` overrides."""
-    path = config_path(name_or_path)
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
+def read_file(path: pathlib.Path) -> dict[str, Any]:
+    """The mapping in a YAML config file; unreadable files and bad YAML are one-line errors."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"cannot read config file {path}: {reason}.") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e)
+        raise ValueError(
+            f"config file {path} is not valid YAML{where}: {' '.join(problem.split())}; "
+            "a config is a mapping of `key: value` lines."
+        ) from None
+    if values is None:
+        return {}
     if not isinstance(values, dict):
-        raise ValueError(f"config file {path} must hold a mapping, got {values!r}.")
+        raise ValueError(
+            f"config file {path} must hold a mapping of `key: value` lines, got {values!r}."
+        )
+    return values
+
+
+def load(name_or_path: str, overrides: Iterable[str] = ()) -> Config:
+    """Loads a YAML config by name or path and applies ``key=value`` overrides.
+
+    Raises:
+      ValueError: one line naming the file or the ``--set`` key and what is valid.
+    """
+    path = config_path(name_or_path)
+    values = read_file(path)
     values.setdefault("name", path.stem)
+    try:
+        from_dict(values)
+    except ValueError as e:
+        raise ValueError(f"config file {path}: {e}") from None
+    overrides = list(overrides)
     for text in overrides:
         key, value = parse_override(text)
         values[key] = value
     return from_dict(values)
+
+
+def describe_keys() -> str:
+    """Every config key with its default (``steps=1500``), for ``--help``."""
+    defaults = Config()
+
+    def show(value: Any) -> str:
+        return repr(value) if value == "" else str(value)
+
+    return ", ".join(f"{name}={show(getattr(defaults, name))}" for name in _FIELD_TYPES)
+
+
+def describe_configs() -> list[tuple[str, str]]:
+    """``(name, what it sets)`` for each shipped config, for ``--help``."""
+    described = []
+    for name in available():
+        try:
+            config = load(name)
+            text = f"{config.policy}, loss scale {config.loss_scale}"
+        except ValueError as e:
+            text = f"(invalid: {e})"
+        described.append((name, text))
+    return described
 
 
 def dump(config: Config) -> str:
