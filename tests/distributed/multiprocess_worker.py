@@ -4,12 +4,14 @@ Usage: ``python multiprocess_worker.py PROCESS_ID PORT NAN_PROCESS`` with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (4 CPU devices per process, 8 in all).
 Both processes train `STEPS` steps on the same global batches (each feeds its own half), then
 take one step where process NAN_PROCESS alone has a NaN in its half of the batch. Prints one
-JSON object: digests of this process's own copies of the params and optimizer state before and
-after that step, the loss scale and the skipped-step count.
+JSON object on a line of its own: digests of this process's own copies of the params and
+optimizer state before and after that step, the loss scale and the skipped-step count.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import common
@@ -31,6 +33,18 @@ def local_digest(tree) -> str:
         if len(copies) != 1:
             raise AssertionError("the local copies of a replicated leaf differ")
     return common.tree_digest([np.asarray(leaf.addressable_shards[0].data) for leaf in leaves])
+
+
+def emit_line(result: dict) -> None:
+    """Prints `result` as one JSON line in a single write.
+
+    Both processes usually share a terminal (``python ... 0 & python ... 1``): a line written
+    in pieces could run into the other process's. One ``write`` of a whole line of at most
+    ``PIPE_BUF`` bytes (4096 on Linux) is never interleaved with another.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(sys.stdout.fileno(), (json.dumps(result, sort_keys=True) + "\n").encode())
 
 
 def main(process_id: int, port: int, nan_process: int) -> None:
@@ -74,7 +88,7 @@ def main(process_id: int, port: int, nan_process: int) -> None:
     def local(x) -> float:
         return np.asarray(x.addressable_shards[0].data).item()
 
-    common.emit(
+    emit_line(
         {
             "process_index": jax.process_index(),
             "device_count": jax.device_count(),
