@@ -12,15 +12,13 @@ HEADING = "## Flax"
 
 
 def _python_blocks() -> list[str]:
-    # The section lives in README.md; docs_flax_section.md holds it until it moves there.
-    for path in (ROOT / "README.md", ROOT / "docs_flax_section.md"):
-        text = path.read_text() if path.exists() else ""
-        if HEADING in text:
-            start = text.index(HEADING)
-            end = text.find("\n## ", start + len(HEADING))
-            section = text[start : end if end != -1 else None]
-            return re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    raise AssertionError(f"no {HEADING!r} section in README.md or docs_flax_section.md")
+    text = (ROOT / "README.md").read_text()
+    if HEADING not in text:
+        raise AssertionError(f"no {HEADING!r} section in README.md")
+    start = text.index(HEADING)
+    end = text.find("\n## ", start + len(HEADING))
+    section = text[start : end if end != -1 else None]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
 def _data():
