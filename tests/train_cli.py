@@ -11,6 +11,7 @@ the fork (that would make forking unsafe).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pathlib
@@ -24,6 +25,7 @@ import train  # noqa: E402
 
 def fork_cases(cases: dict[str, list[str]], out: pathlib.Path) -> tuple[str, list[str]] | None:
     """Forks a child per case; returns ``(name, args)`` in a child, None in the parent."""
+    gc.freeze()  # The children's garbage collector then leaves the shared pages alone.
     children = {}
     for name, args in cases.items():
         sys.stdout.flush()
