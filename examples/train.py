@@ -399,6 +399,8 @@ def check_workdir(workdir: pathlib.Path, *, resume: bool, overwrite: bool) -> li
     if resume and overwrite:
         raise ValueError("`resume` and `overwrite` exclude each other.")
     where = show_path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise RunDirError(f"--workdir {where} is a file; choose a directory.")
     if resume:
         steps = checkpoint_steps(workdir)
         if not steps:
@@ -410,8 +412,6 @@ def check_workdir(workdir: pathlib.Path, *, resume: bool, overwrite: bool) -> li
         return steps
     if overwrite or _is_empty(workdir):
         return []
-    if not workdir.is_dir():
-        raise RunDirError(f"--workdir {where} is a file; choose a directory.")
     raise RunDirError(
         f"{where} already holds {_describe_run(workdir)}; continue it with --resume, replace "
         "it with --overwrite, or choose another --workdir."
@@ -448,13 +448,13 @@ def restore_checkpoint(workdir: pathlib.Path, steps: Sequence[int], state: Train
     except Exception as e:  # orbax and tensorstore raise plain Exceptions for damaged files
         path = show_path(workdir / "checkpoints" / str(step))
         earlier = (
-            f"delete it to resume from step {steps[-2]}"
+            f"delete it to resume from step {steps[-2]}, or"
             if len(steps) > 1
-            else "no earlier checkpoint is left"
+            else "there is no earlier one:"
         )
         raise RunDirError(
             f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {_short_reason(e)}); "
-            f"{earlier}, or start again with --overwrite."
+            f"{earlier} start again with --overwrite."
         ) from None
     return restored
 
@@ -632,13 +632,12 @@ def train_and_evaluate(
     stop = config.steps if stop_at is None else min(stop_at, config.steps)
     if start < stop:
         # The step's gradients must be those of the scaled loss (jaxmp.value_and_grad): with
-        # jax.grad every update would be loss-scale times too small, silently.
-        check_gradients_are_scaled(
-            lambda opt_state: compiled(state._replace(opt_state=opt_state), inputs, targets)[1][
-                "grad_norm"
-            ],
-            state.opt_state,
-        )
+        # jax.grad every update would be the loss scale times too small, silently.
+        def grad_norm_at(opt_state):
+            _, metrics = compiled(state._replace(opt_state=opt_state), inputs, targets)
+            return metrics["grad_norm"]
+
+        check_gradients_are_scaled(grad_norm_at, state.opt_state)
     eval_step = jax.jit(built.eval_step)
     val_batches = data_lib.eval_batches(
         dataset.val, config.eval_batches, config.batch_size, config.seq_len
