@@ -72,6 +72,60 @@ def test_python_float_gradient_leaves_are_unscaled_and_checked(jit):
     assert int(state.skipped_steps) == 1 and float(updates["alpha"]) == 0.0
 
 
+def _apply_fns():
+    fns = {"optax": optax.apply_updates}
+    try:
+        import equinox as eqx
+
+        fns["equinox"] = eqx.apply_updates
+    except ImportError:  # equinox is in the test extra; without it only optax's is checked
+        pass
+    return fns
+
+
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+@pytest.mark.parametrize("apply", sorted(_apply_fns()))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_half_params_updates_keep_each_param_dtype(dtype, apply, promotion):
+    # Without master weights, applying the updates to float16 or bfloat16 params keeps
+    # their dtype, with optax's and Equinox's apply_updates, under standard and strict
+    # promotion (Equinox adds without casting back: float32 updates would make the params
+    # float32 after the first step).
+    tx = jaxmp.loss_scaling(optax.sgd(0.05, momentum=0.9), jaxmp.StaticLossScale(4.0))
+    params = {"w": jnp.linspace(1, 3, 40).astype(dtype), "b": jnp.ones(3, dtype)}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    # Plain optax with a float32 state, its float32 updates applied by optax (standard
+    # promotion rounds each sum to the param's dtype): the same params, since every step
+    # stays within a factor of 2.
+    plain = optax.sgd(0.05, momentum=0.9)
+    ref, ref_state = params, plain.init(jax.tree.map(lambda p: p.astype(F32), params))
+    for k in range(3):
+        grads = jax.tree.map(lambda p, k=k: jnp.full(p.shape, 0.375 * (k + 1), F32), params)
+        scaled = jax.tree.map(lambda g: (g * 4.0).astype(dtype), grads)
+        updates, state = step(scaled, state, params)
+        assert jax.tree.map(lambda u: u.dtype, updates) == {"w": dtype, "b": dtype}
+        with jax.numpy_dtype_promotion(promotion):
+            params = _apply_fns()[apply](params, updates)
+        assert jax.tree.map(lambda p: p.dtype, params) == {"w": dtype, "b": dtype}
+        ref_updates, ref_state = plain.update(grads, ref_state)
+        ref = optax.apply_updates(ref, ref_updates)
+        chex.assert_trees_all_equal(params, ref)
+    assert jax.tree.map(lambda m: m.dtype, state.inner_state[0].trace) == {"w": F32, "b": F32}
+
+
+def test_half_params_never_overflow_to_inf():
+    # Without master weights, a float16 param at 64992 stepping by 600 saturates at 65504
+    # (float32 updates would give inf in `optax.apply_updates`); a step of more than 65504,
+    # -64992 to 5008, moves it by 65504.
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.NoOpLossScale())
+    params = {"w": jnp.array([64992.0, -64992.0, 1.0], jnp.float16)}
+    grads = {"w": jnp.array([-600.0, -70000.0, -0.5], F32)}
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert optax.apply_updates(params, updates)["w"].tolist() == [65504.0, 512.0, 1.5]
+    assert bool(state.grads_finite)
+
+
 # --- extra arguments --------------------------------------------------------------------
 
 
@@ -152,6 +206,29 @@ def test_hypergradient_of_a_skipped_step_is_zero(jit):
     assert float(value) == 0.0
 
 
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1)),
+        optax.MultiSteps(optax.adam(0.1), every_k_schedule=2),
+        optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+    ],
+    ids=["chain(clip_by_global_norm, adam)", "MultiSteps", "inject_hyperparams"],
+)
+def test_debug_nans_jitted_overflow_step_does_not_raise(inner):
+    # Under jit only the outputs are checked, and a skipped step's are finite. (Eager, an
+    # inner update that divides by the gradients' norm computes 0 / 0 on the zeros it runs
+    # on, as plain optax does on zero gradients: `jax_debug_nans` fires there.)
+    tx = jaxmp.mixed_precision(inner, "p=f16,c=f16")
+    params = {"w": jnp.ones(3, jnp.float16)}
+    state = tx.init(params)
+    with jax.debug_nans(True):
+        updates, state = jax.jit(tx.update)(
+            {"w": jnp.array([1.0, jnp.inf, -jnp.inf], jnp.float16)}, state, params
+        )
+    assert updates["w"].tolist() == [0.0, 0.0, 0.0] and int(state.skipped_steps) == 1
+
+
 def test_debug_nans_eager_overflow_step_does_not_raise():
     tx = jaxmp.loss_scaling(optax.adam(0.1), jaxmp.DynamicLossScale(2.0**4))
     params = {"w": jnp.ones(2)}
@@ -186,6 +263,18 @@ def test_check_outputs_skips_non_finite_results(name):
     assert not bool(new_state.grads_finite) and int(new_state.skipped_steps) == 1
     chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
     chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
+
+
+def test_check_outputs_checks_the_inner_update_before_it_saturates():
+    # float16 params without a master copy: SGD's float32 update is -inf. Put in float16
+    # it saturates (the param goes to -65504); check_outputs sees the inf and skips.
+    params, grads = {"w": jnp.ones(2, jnp.float16)}, {"w": jnp.full(2, 1e10)}
+    plain = jaxmp.loss_scaling(optax.sgd(1e30), jaxmp.NoOpLossScale())
+    updates, _ = jax.jit(plain.update)(grads, plain.init(params), params)
+    assert optax.apply_updates(params, updates)["w"].tolist() == [-65504.0, -65504.0]
+    tx = jaxmp.loss_scaling(optax.sgd(1e30), jaxmp.NoOpLossScale(), check_outputs=True)
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert int(state.skipped_steps) == 1 and updates["w"].tolist() == [0.0, 0.0]
 
 
 def test_check_outputs_takes_finite_steps():

@@ -127,3 +127,52 @@ def test_complex_params_are_trained():
     assert state.inner_state.master["z"].tolist() == [0j, 2 + 0j]
     _, state2 = step(grads, state, new)
     chex.assert_trees_all_equal_dtypes(state2, state)
+
+
+def test_applied_update_is_the_rounded_master_exactly_within_a_factor_of_2():
+    # The docstring's promise: ``params + updates`` is exactly the rounded master copy when
+    # a step leaves a param within a factor of 2 of its value (Sterbenz); beyond, within
+    # rounding of the update. Every sampled pair of positive and negative float16 values
+    # within a factor of 2, moved there by one SGD step on the master copy.
+    rng = np.random.default_rng(0)
+    finite = np.arange(2**16, dtype=np.uint16).view(np.float16)
+    finite = finite[np.isfinite(finite) & (finite != 0)]
+    p = rng.choice(finite[np.abs(finite) < 32752], 8192)  # twice them stays finite
+    t = (p.astype(np.float64) * rng.uniform(0.5, 2.0, p.size)).astype(np.float16)
+    params, target = {"w": jnp.asarray(p)}, jnp.asarray(t)
+    tx = jaxmp.master_weights(optax.sgd(1.0))
+    grads = {"w": jnp.asarray(p.astype(F32) - t.astype(F32))}  # exact in float32
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_array_equal(state.master["w"], target.astype(F32))
+    np.testing.assert_array_equal(optax.apply_updates(params, updates)["w"], target)
+    # A factor of 2.3: the float16 update 1.794 - 0.775 rounds, and so does the sum.
+    params = {"w": jnp.array([0.775], F16)}
+    target = jnp.array([1.794], F16)
+    grads = {"w": params["w"].astype(F32) - target.astype(F32)}
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    applied = optax.apply_updates(params, updates)["w"]
+    assert applied.dtype == F16 and float(applied[0]) != float(target[0])
+    assert float(applied[0]) == float(np.nextafter(target[0], np.float16(2)))  # one ulp off
+
+
+@pytest.mark.parametrize("count", [False, True], ids=["default", "count_saturated"])
+def test_steps_at_the_edge_of_the_range_never_give_inf_params(count):
+    tx = jaxmp.master_weights(optax.sgd(1.0), count_saturated=count)
+    step = jax.jit(tx.update)
+    # A step larger than float16's largest value: -64992 to 5024 (the update, 70016, is
+    # inf in float16). The param moves by 65504 and reaches the master copy next step.
+    params = {"w": jnp.array([-64992.0, 1.0], F16)}
+    state = tx.init(params)
+    updates, state = step({"w": jnp.array([-70016.0, 0.0])}, state, params)
+    params = optax.apply_updates(params, updates)
+    assert params["w"].tolist() == [512.0, 1.0] and float(state.master["w"][0]) == 5024.0
+    updates, state = step({"w": jnp.zeros(2)}, state, params)
+    assert optax.apply_updates(params, updates)["w"].tolist() == [5024.0, 1.0]
+    # Rounding twice at the edge: 32688 to the saturated 65504. The update 32816 rounds to
+    # 32832 in float16, and 32688 + 32832 = 65520 rounds to inf; the update one ulp less,
+    # 32800, gives 65488, which rounds (to even) to 65472.
+    params = {"w": jnp.array([32688.0], F16)}
+    updates, state = step({"w": jnp.array([-32816.0])}, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    assert float(state.master["w"][0]) == 65504.0
+    assert new["w"].dtype == F16 and float(new["w"][0]) == 65472.0

@@ -313,6 +313,29 @@ def test_scan_and_vmap(name, wrapper):
     assert len(traces) == 2  # the scan body and the vmapped step, once each
 
 
+def test_large_gradients_back_the_scale_off_until_they_fit():
+    # True gradients of 300 and 60000 (float16's range ends at 65504) and 1e-30: at any
+    # scale above 1 the scaled float16 gradients overflow; each step is skipped and the scale
+    # halves until they fit at 1, then the steps apply. Nothing non-finite reaches the params.
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+    tx = _wrap("mixed_precision", inner)
+    grads = {"w": jnp.full((5, 8), 300.0).at[0, 0].set(60000.0), "b": jnp.full(4, 1e-30)}
+    fn = _step_fn(tx, Case(lambda: None), [])
+
+    def body(carry, _):
+        p, _, s = fn(*carry, grads, jnp.float32(1.0))
+        metrics = jaxmp.loss_scale_metrics(s)
+        return (p, s), (metrics["loss_scale"], metrics["skipped_steps"], jaxmp.all_finite(p))
+
+    run = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), length=17))
+    (params, state), (scales, skipped, finite) = run(jaxmp.cast_tree(FULL, F16), tx.init(FULL))
+    assert scales.tolist() == [2.0**k for k in range(14, -1, -1)] + [1.0, 1.0]
+    assert skipped.tolist() == list(range(1, 16)) + [15, 15]
+    assert bool(finite.all())
+    ref = _run(inner, [jaxmp.cast_tree(jaxmp.cast_tree(grads, F16), F32)] * 2, "plain")
+    _assert_values(state.inner_state.master, ref[-1][0])
+
+
 # --- half-precision params without a master copy ----------------------------------------
 
 HALF_PARAM_INNERS = {

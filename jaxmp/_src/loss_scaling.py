@@ -118,9 +118,11 @@ def _zero_unless(finite: jax.Array, tree: Any) -> Any:
     """``where(finite, x, 0)`` for every array leaf; other leaves pass through.
 
     Applied to the gradients before the inner update as well as to its updates: on a
-    skipped step the inner update then runs on zeros, so nothing in it is NaN (the gradient
-    of a skipped step with respect to a hyperparameter is 0, not ``0 * NaN``, and
-    `jax_debug_nans` does not fire inside an update that is discarded).
+    skipped step the inner update then runs on zeros, so no NaN or inf reaches it from the
+    gradients (the gradient of a skipped step with respect to a hyperparameter is 0, not
+    ``0 * NaN``, and `jax_debug_nans` does not fire inside an update that is discarded,
+    unless the inner update makes a NaN of zero gradients itself, as
+    `optax.clip_by_global_norm`'s discarded branch does: 0 / 0).
     """
 
     def leaf(x):
@@ -188,6 +190,35 @@ def _applied(params: Any, updates: Any) -> Any:
     return jax.tree.map(leaf, updates, params, is_leaf=lambda x: x is None)
 
 
+def _in_param_dtypes(updates: Any, params: Any) -> Any:
+    """Each floating update in its floating param's dtype (others as they are).
+
+    A wider update (float32, from the float32 gradients, for a float16 or bfloat16
+    param) becomes the update that takes the param to ``param + update`` rounded to the
+    param's dtype, saturated at its largest finite value (`tree.update_to`): what
+    `optax.apply_updates` computes, exact within a factor of 2, never inf, and kept in
+    the param's dtype by `equinox.apply_updates` and under strict promotion too.
+    """
+    if params is None:
+        return updates
+
+    def leaf(u, p):
+        if not (_is_array(u) and dtypes.is_floating(u) and dtypes.is_floating(p)):
+            return u
+        u_dtype, p_dtype = jnp.dtype(u.dtype), jnp.dtype(p.dtype)
+        if u_dtype == p_dtype:
+            return u
+        if u_dtype.itemsize < p_dtype.itemsize:
+            return u.astype(p_dtype)
+        p = jnp.asarray(p)
+        return tree_lib.update_to(p.astype(u_dtype) + u, p)[1]
+
+    try:
+        return jax.tree.map(leaf, updates, params, is_leaf=lambda x: x is None)
+    except (ValueError, TypeError):  # structures differ: nothing to match the updates to
+        return updates
+
+
 def _guarded_update(
     inner: optax.GradientTransformationExtraArgs,
     finite: jax.Array,
@@ -212,17 +243,30 @@ def _guarded_update(
             updates, state = _update_selecting_at_source(
                 inner, finite, grads, inner_state, params, extra_args
             )
-            return updates, state, finite
+            return _in_param_dtypes(updates, params), state, finite
         except (jax.errors.JAXTypeError, NotImplementedError):
             # What `inner` cannot do as a jaxpr of (grads, state) (Python control
             # flow on a state leaf that is concrete, say) takes the plain path
             # below, which raises the same error if the update itself is at fault.
             pass
-    new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
+    raw_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
+    new_updates = _in_param_dtypes(raw_updates, params)
     new_inner = _keep_state_dtypes(new_inner, inner_state)
     if check_outputs:
         # With finite params, ``params + updates`` is finite only if the updates are.
-        outputs = (new_inner, new_updates if params is None else _applied(params, new_updates))
+        # An update put in its param's dtype saturates: the one `inner` made is checked too.
+        converted = [
+            raw
+            for raw, new in zip(
+                jax.tree.leaves(raw_updates), jax.tree.leaves(new_updates), strict=True
+            )
+            if raw is not new
+        ]
+        outputs = (
+            new_inner,
+            new_updates if params is None else _applied(params, new_updates),
+            converted,
+        )
         finite = _finite_across(finite & tree_lib.all_finite(outputs), axis_name)
     return (
         _zero_unless(finite, new_updates),
@@ -380,12 +424,16 @@ def loss_scaling(
       it, unscaled: a NaN ``value`` for `optax.contrib.reduce_on_plateau` skips
       the step) and ``grad`` (which `optax.lbfgs`'s line search takes: it is
       unscaled like the gradients). Other extra arguments reach `inner` as given;
-    * with ``check_outputs=True``, also the inner update's outputs: the updates,
-      the new inner state and ``params + updates`` in each param's dtype. Finite
-      gradients can still make these non-finite (a gradient of 1e20 makes Adam's
-      second moment inf; ``adam(eps=0)`` with zero gradients divides 0 by 0; SGD
-      on a param of 3e38 overflows). This costs the selects at source (below):
-      about 0.25 more float32 copies of the params for Adam, see BENCHMARKS.md.
+    * with ``check_outputs=True``, also the inner update's outputs: the updates
+      (as `inner` makes them, before they are put in each param's dtype, where
+      they would saturate), the new inner state and ``params + updates`` in each
+      param's dtype. Finite gradients can still make these non-finite (a
+      gradient of 1e20 makes Adam's second moment inf; ``adam(eps=0)`` with zero
+      gradients divides 0 by 0; SGD on a float32 param of 3e38 overflows). The
+      check reads the new state and ``params + updates`` once more, and the skip
+      can no longer be selected where each state leaf is computed (below): Adam's
+      update then moves 2.3x the bytes of plain `optax.adam`, against 1.10x
+      without it (BENCHMARKS.md).
 
     So a skipped step never lets a non-finite value into params or the inner
     state; without ``check_outputs``, an update whose own arithmetic overflows
@@ -393,8 +441,11 @@ def loss_scaling(
 
     Unlike `optax.apply_if_finite`, it never gives up and applies a non-finite
     update, however many steps in a row are skipped. On a skipped step `inner`
-    runs on zeros (its result is discarded), so that nothing in it is NaN: the
-    gradient of a skipped step's updates with respect to a hyperparameter is 0.
+    runs on zeros (its result is discarded), so that no NaN reaches it from the
+    gradients: the gradient of a skipped step's updates with respect to a
+    hyperparameter is 0. (An inner update that makes a NaN of zero gradients by
+    itself, as `optax.clip_by_global_norm` does in a branch it discards, still
+    trips `jax_debug_nans` outside `jax.jit`, as it does in plain optax.)
 
     The skip is a select fused into the inner update (the inner update is
     computed and discarded on a skipped step): under `jax.jit`, each new state
@@ -407,10 +458,14 @@ def loss_scaling(
     so that its state is float32 like the gradients it receives: with
     half-precision params and no `master_weights`, Adam's moments are float32
     (as under `mixed_precision`, without the master copy), whatever the dtype of
-    the params given to `init`. The updates are float32; applying them rounds
-    each param to its dtype. Every inner state leaf keeps the dtype it was
+    the params given to `init`. Every inner state leaf keeps the dtype it was
     initialised with: integer and boolean params are not trained by optax, and
-    their moments stay in their dtype.
+    their moments stay in their dtype. Each update has its param's dtype (when
+    `params` is passed): ``params + updates`` is ``params + inner's update``
+    rounded to each param's dtype, exactly when a step leaves a param within a
+    factor of 2 of its value, and saturated at the dtype's largest value instead
+    of inf, with `optax.apply_updates` and `equinox.apply_updates`, under standard
+    and strict promotion.
 
     Args:
       inner: the optax transformation to wrap (an optimizer or a chain). It must

@@ -50,12 +50,11 @@ def _master_leaf(x: Any, dtype: Any) -> Any:
 def _step(master: Any, update: Any, param: Any) -> tuple[Any, Any, Any]:
     """One leaf: the new master copy, the update for the param, and the clip limit.
 
-    The new master copy is clipped to the finite range of the param's dtype, so that
-    it never rounds to inf (float16's range ends at 65504); NaN stays NaN. The update
-    is in the param's dtype and is ``rounded master - param``: exact (so that
-    ``param + update`` is the rounded master copy) whenever the two are within a
-    factor of 2 of each other, which any step of an optimizer that moves a param by
-    less than half its magnitude satisfies (Sterbenz's lemma).
+    The new master copy is clipped to the finite range of the param's dtype and the
+    update is in the param's dtype (`tree.update_to`): ``param + update`` is the rounded
+    master copy whenever the two are within a factor of 2 of each other, which any step
+    of an optimizer that moves a param by less than half its magnitude satisfies, and is
+    never inf.
     """
     if _is_complex_param(param):
         # No complex half-precision dtype exists: the master copy is the param itself,
@@ -70,17 +69,8 @@ def _step(master: Any, update: Any, param: Any) -> tuple[Any, Any, Any]:
             return master, jnp.zeros_like(param), None
         return master, None, None
     param = jnp.asarray(param)
-    if update is None:
-        new = master
-    else:
-        new = master + jnp.asarray(update).astype(master.dtype)
-    limit = np.asarray(jnp.finfo(param.dtype).max).astype(new.dtype)
-    new = jnp.clip(new, -limit, limit)
-    target = new.astype(param.dtype)
-    # By width, not `jnp.promote_types`, which strict dtype promotion refuses.
-    wide = max(jnp.dtype(param.dtype), jnp.dtype(new.dtype), key=lambda d: d.itemsize)
-    delta = (target.astype(wide) - param.astype(wide)).astype(param.dtype)
-    return new, delta, limit
+    new = master if update is None else master + jnp.asarray(update).astype(master.dtype)
+    return tree_lib.update_to(new, param)
 
 
 def master_weights(
@@ -108,7 +98,9 @@ def master_weights(
 
     Params never become inf from a finite master copy: a master value beyond the
     param dtype's largest finite value (65504 for float16) is clipped to it
-    (saturated), the master copy with it. The clip is free (it is fused into the
+    (saturated), the master copy with it; a step longer than that value (float16's
+    -65000 to 5000) moves the param by that value, the rest following at the next
+    step. The clip is free (it is fused into the
     update); counting the steps where it bites, in ``saturated_steps``, reads the
     master copy once more and is opt-in (``count_saturated=True``: one float32
     copy of the params, 0.10x of Adam's update traffic, see BENCHMARKS.md). NaN is not clipped:

@@ -176,6 +176,33 @@ def check_same_structure(a: Any, b: Any, *, names: tuple[str, str], check_dtypes
                 )
 
 
+def update_to(new: jax.Array, param: jax.Array) -> tuple[jax.Array, jax.Array, np.ndarray]:
+    """The update, in `param`'s dtype, that takes `param` to `new` (a wider value).
+
+    Returns ``(new clipped, update, limit)``. `new` is clipped to the finite range of
+    `param`'s dtype (``±limit``: 65504 for float16), so that it never rounds to inf; NaN
+    stays NaN. ``param + update`` in `param`'s dtype, as `optax.apply_updates` and
+    `equinox.apply_updates` compute it, is then:
+
+    * exactly the clipped `new` rounded to `param`'s dtype whenever the two are within a
+      factor of 2 of each other (their difference is exact: Sterbenz's lemma);
+    * otherwise within rounding of the update, and never inf: a step longer than `limit`
+      (float16's -65000 to 5000) is cut to `limit`, the rest following at the next
+      update; where ``param + update`` would round up to inf at the edge of the range
+      (float16's 32688 + 32832 = 65520), the update is one unit in the last place smaller.
+    """
+    limit = np.asarray(jnp.finfo(param.dtype).max).astype(new.dtype)
+    new = jnp.clip(new, -limit, limit)
+    target = new.astype(param.dtype)
+    # By width, not `jnp.promote_types`, which strict dtype promotion refuses.
+    wide = max(jnp.dtype(param.dtype), jnp.dtype(new.dtype), key=lambda d: d.itemsize)
+    bound = limit.astype(wide)
+    delta = jnp.clip(target.astype(wide) - param.astype(wide), -bound, bound)
+    delta = delta.astype(param.dtype)
+    delta = jnp.where(jnp.isinf(param + delta), jnp.nextafter(delta, jnp.zeros_like(delta)), delta)
+    return new, delta, limit
+
+
 def select_tree(pred: jax.typing.ArrayLike, a: T, b: T) -> T:
     """Selects `a` where `pred` is true and `b` otherwise, leaf by leaf.
 
