@@ -206,6 +206,13 @@ def variants(learning_rate: float = 1e-3) -> list[tuple[str, str, Any, Any]]:
         ("hand-written f32 master + loss scaling, f16 params", "float16", *_naive_master(adam)),
         ("jaxmp.mixed_precision(adam, 'p=bf16,c=bf16'), f32 master", "bfloat16",
          *tx(jaxmp.mixed_precision(adam, "p=bf16,c=bf16"))),
+        # The opt-in guards.
+        ("jaxmp.loss_scaling(adam, check_outputs=True)", "float32",
+         *tx(jaxmp.loss_scaling(adam, ls, check_outputs=True))),
+        ("jaxmp.loss_scaling(master_weights(adam, count_saturated=True))", "float16",
+         *tx(jaxmp.loss_scaling(jaxmp.master_weights(adam, count_saturated=True), ls))),
+        ("jaxmp.loss_scaling(master_weights(adam), check_outputs=True)", "float16",
+         *tx(jaxmp.loss_scaling(jaxmp.master_weights(adam), ls, check_outputs=True))),
     ]  # fmt: skip
 
 
