@@ -229,6 +229,39 @@ def test_debug_nans_jitted_overflow_step_does_not_raise(inner):
     assert updates["w"].tolist() == [0.0, 0.0, 0.0] and int(state.skipped_steps) == 1
 
 
+def test_hypergradient_through_scan_vmap_jit_ignores_the_skipped_step():
+    # jit(vmap(grad(scan(update)))) with float16 params and master weights: a skipped step
+    # in the middle of the run contributes exactly nothing, to the params or to their
+    # gradient with respect to the learning rate.
+    full = {"w": jnp.linspace(1.0, 2.0, 40).reshape(5, 8), "b": jnp.ones(3)}
+    grads = [jax.tree.map(lambda p, k=k: jnp.full(p.shape, 0.25 * (k + 1)), full) for k in range(2)]
+    poisoned = {**grads[1], "w": grads[1]["w"].at[1, 2].set(jnp.nan)}
+
+    def final_sum(lr, sequence):
+        tx = jaxmp.mixed_precision(optax.adam(lr), "p=f16,c=f16")
+
+        def body(carry, g):
+            p, s = carry
+            scale = jaxmp.get_loss_scale(s).loss_scale
+            scaled = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), g, p)
+            u, s = tx.update(scaled, s, p)
+            return (optax.apply_updates(p, u), s), s.skipped_steps
+
+        (p, _), skipped = jax.lax.scan(
+            body, (jaxmp.cast_tree(full, jnp.float16), tx.init(full)), sequence
+        )
+        return sum(jnp.sum(x.astype(F32)) for x in jax.tree.leaves(p)), skipped
+
+    hyper = jax.jit(jax.vmap(jax.grad(final_sum, has_aux=True), in_axes=(0, None)))
+    lrs = jnp.array([0.01, 0.05])
+    stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)  # noqa: E731
+    with_skip, skipped = hyper(lrs, stack([grads[0], poisoned, grads[1]]))
+    without, _ = hyper(lrs, stack(grads))
+    assert skipped.tolist() == [[0, 1, 1], [0, 1, 1]]
+    assert bool(jnp.all(jnp.isfinite(with_skip))) and bool(jnp.all(with_skip != 0))
+    np.testing.assert_array_equal(with_skip, without)
+
+
 def test_debug_nans_eager_overflow_step_does_not_raise():
     tx = jaxmp.loss_scaling(optax.adam(0.1), jaxmp.DynamicLossScale(2.0**4))
     params = {"w": jnp.ones(2)}

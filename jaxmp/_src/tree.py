@@ -199,7 +199,11 @@ def update_to(new: jax.Array, param: jax.Array) -> tuple[jax.Array, jax.Array, n
     bound = limit.astype(wide)
     delta = jnp.clip(target.astype(wide) - param.astype(wide), -bound, bound)
     delta = delta.astype(param.dtype)
-    delta = jnp.where(jnp.isinf(param + delta), jnp.nextafter(delta, jnp.zeros_like(delta)), delta)
+    # One ulp toward 0, as a constant offset: `nextafter` has no derivative, and the
+    # update's derivative stays 1 (a hypergradient flows through it as through rounding).
+    fixed = jax.lax.stop_gradient(delta)
+    one_ulp = jnp.nextafter(fixed, jnp.zeros_like(fixed)) - fixed
+    delta = jnp.where(jnp.isinf(param + delta), delta + one_ulp, delta)
     return new, delta, limit
 
 
