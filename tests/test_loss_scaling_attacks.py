@@ -90,11 +90,13 @@ def test_half_params_updates_keep_each_param_dtype(dtype, apply, promotion):
     # Without master weights, applying the updates to float16 or bfloat16 params keeps
     # their dtype, with optax's and Equinox's apply_updates, under standard and strict
     # promotion (Equinox adds without casting back: float32 updates would make the params
-    # float32 after the first step).
+    # float32 after the first step; strict promotion refused float16 + float32).
     tx = jaxmp.loss_scaling(optax.sgd(0.05, momentum=0.9), jaxmp.StaticLossScale(4.0))
     params = {"w": jnp.linspace(1, 3, 40).astype(dtype), "b": jnp.ones(3, dtype)}
     state = tx.init(params)
-    step = jax.jit(tx.update)
+    # Under strict promotion, the update itself too: the float32 state and updates meet
+    # only float32 values inside it.
+    step = jax.jit(_strict(tx.update) if promotion == "strict" else tx.update)
     # Plain optax with a float32 state, its float32 updates applied by optax (standard
     # promotion rounds each sum to the param's dtype): the same params, since every step
     # stays within a factor of 2.
