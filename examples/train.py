@@ -434,8 +434,8 @@ def _short_reason(error: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def restore_checkpoint(workdir: pathlib.Path, steps: Sequence[int], state: TrainState):
-    """Restores the latest of `steps` into the structure of `state`.
+def restore_checkpoint(workdir: pathlib.Path, steps: Sequence[int], state: Any) -> TrainState:
+    """Restores the latest of `steps` as `state` (arrays or `jax.ShapeDtypeStruct`s) lays out.
 
     Raises:
       RunDirError: if the checkpoint cannot be read (truncated or corrupt files), naming it.
@@ -598,17 +598,23 @@ def train_and_evaluate(
     dataset = get_dataset(config.val_fraction)
     built = programs(config, dataset.vocab_size)
     model, tx = built.model, built.tx
-    state = create_train_state(
-        config, jax.random.PRNGKey(config.seed), vocab_size=dataset.vocab_size
-    )
+    rng = jax.random.PRNGKey(config.seed)
     mesh = sharding.make_mesh(config.mesh) if config.mesh else None
     jit_kwargs: dict[str, Any] = {}
     if mesh is not None:  # Params and optimizer state sharded FSDP-style, the batch over all.
+        state = create_train_state(config, rng, vocab_size=dataset.vocab_size)
         state, state_shardings = sharding.shard_train_state(tx, state, mesh)
         jit_kwargs["out_shardings"] = (state_shardings, sharding.replicated(mesh))
+    elif resume:  # Only the shapes and dtypes: the checkpoint holds the values.
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+            jax.eval_shape(built.init, rng),
+        )
     else:
         # Committed to the device, as a restored checkpoint is: a new and a resumed run then
         # compile the same program (and share it through a persistent compilation cache).
+        state = create_train_state(config, rng, vocab_size=dataset.vocab_size)
         state = jax.device_put(state, jax.local_devices()[0])
 
     def put(batch):

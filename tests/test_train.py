@@ -331,7 +331,7 @@ def _truncate_largest_file(directory):
 
 
 @pytest.fixture(scope="module")
-def cli(finished, compilation_cache, tmp_path_factory):
+def cli(finished, tmp_path_factory):
     """Runs every case of `CLI_CASES` (forked from one process that imported train.py)."""
     base = tmp_path_factory.mktemp("cli")
     (base / "bad.yaml").write_text("precision: mixed_float16\nsteps: [1, 2\n")
@@ -343,15 +343,9 @@ def cli(finished, compilation_cache, tmp_path_factory):
     (base / "cases.json").write_text(json.dumps(cases))
     out = base / "out"
     out.mkdir()
-    env = dict(
-        os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(compilation_cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    )
     subprocess.run(
         [sys.executable, str(ROOT / "tests" / "train_cli.py"), "cases.json", str(out)],
         cwd=base,
-        env=env,
         check=True,
         timeout=300,
     )
