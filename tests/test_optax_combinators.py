@@ -162,8 +162,10 @@ def _make_step(tx: Any, case: Case, traces: list):
     return jax.jit(_step_fn(tx, case, traces))
 
 
-def _make_reference(tx: Any, case: Case):
+def _make_reference(tx: Any, case: Case, traces: list | None = None):
     def step(params, state, grads, value):
+        if traces is not None:
+            traces.append(None)
         extra = {"value": value} if case.value else {}
         updates, state = tx.update(grads, state, params, **extra)
         return optax.apply_updates(params, updates), updates, state
@@ -193,17 +195,19 @@ def _assert_values(actual: Any, expected: Any) -> None:
 
 
 @functools.cache
-def _reference(name: str) -> list:
-    """Plain optax's ``(params, updates, state)`` after each step on `GRADS`, for both wrappers."""
+def _reference(name: str) -> tuple[list, int]:
+    """Plain optax's ``(params, updates, state)`` after each step on `GRADS`, for both
+    wrappers, and how many times plain optax's jitted step was traced."""
     case = COMBINATORS[name]
     plain = case.make()
-    step = _make_reference(plain, case)
+    traces: list = []
+    step = _make_reference(plain, case, traces)
     params = _full(case)
     state, out = plain.init(params), []
     for grads in GRADS:
         params, updates, state = step(params, state, grads, _loss(grads))
         out.append((params, updates, state))
-    return out
+    return out, len(traces)
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
@@ -223,7 +227,7 @@ def test_combinator_inside(name, wrapper):
 
     def finite_step(params, state, k):
         params, updates, state = step(params, state, GRADS[k], _loss(GRADS[k]))
-        ref_params, ref_updates, ref_state = _reference(name)[k]
+        ref_params, ref_updates, ref_state = _reference(name)[0][k]
         check_stable(state)
         assert bool(state.grads_finite)
         _assert_values(jaxmp.inner_state(state), ref_state)
@@ -254,7 +258,11 @@ def test_combinator_inside(name, wrapper):
     assert int(state.skipped_steps) == 3
     # The skipped steps left no trace: the next finite step continues plain optax's run.
     finite_step(params, state, 2)
-    assert len(traces) == 1
+    # No retrace beyond plain optax's own (optax 0.2.5's reduce_on_plateau changes the weak
+    # type of its state after the first step and retraces once by itself).
+    assert len(traces) == _reference(name)[1]
+    if name != "reduce_on_plateau":
+        assert len(traces) == 1
 
 
 # --- scan over steps, vmap over independent runs ------------------------------------------
