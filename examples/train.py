@@ -27,6 +27,7 @@ import csv
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -1278,6 +1279,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             config, workdir, resume=args.resume, overwrite=args.overwrite, progress=progress
         )
     except RunDirError as e:
+        # A damaged checkpoint leaves orbax's failed reads behind (asyncio tasks, coroutines);
+        # at exit Python would print each as a traceback after the one-line error.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        sys.unraisablehook = lambda unraisable: None
         parser.fail(e)
     except LossScalingError as e:
         parser.fail(e, status=1)
