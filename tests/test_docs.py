@@ -1,0 +1,170 @@
+"""Every Python code block of README.md and docs/**/*.md runs as written.
+
+A page's ```python blocks run in order in one fresh namespace, as a reader pastes them one
+after the other; the blocks assert what the page claims (the loss falls, a dtype, a skipped
+step counted). Two HTML comments change how a page or a block runs:
+
+* ``<!-- excerpt: path/to/file.py -->`` right before a block: the block is an excerpt of that
+  file, which must exist and contain every line of the block that is not blank, a comment or
+  ``...`` (a trailing comment is the page's own); it is not run (the file's own test runs it).
+* ``<!-- docs-test: devices=8 -->`` anywhere in a page: the page runs in a process of its own
+  with that many simulated CPU devices (``python -m tests.test_docs PAGE``).
+
+Fenced blocks in other languages (bash, text) are not run; every fence must name one of the
+languages in `LANGUAGES`, so that no Python block goes unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+LANGUAGES = {"python", "bash", "text", "toml", "{eval-rst}", "{toctree}"}
+
+_FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>\S*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ ]*$",
+                    re.M | re.S)  # fmt: skip
+_EXCERPT = re.compile(r"<!--\s*excerpt:\s*(?P<path>\S+)\s*-->\s*$")
+_DEVICES = re.compile(r"<!--\s*docs-test:\s*devices=(?P<n>\d+)\s*-->")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: pathlib.Path
+    line: int  # 1-based line of the block's first code line in the page
+    lang: str
+    code: str
+    excerpt_of: str | None
+
+
+def pages() -> list[pathlib.Path]:
+    docs = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
+    return [ROOT / "README.md", *docs]
+
+
+def blocks(page: pathlib.Path) -> list[Block]:
+    text = page.read_text()
+    found = []
+    for match in _FENCE.finditer(text):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        excerpt = _EXCERPT.search(before)
+        indent = len(match["indent"])
+        code = "\n".join(line[indent:] for line in match["body"].splitlines())
+        line = text.count("\n", 0, match.start("body")) + 1
+        path = excerpt["path"] if excerpt else None
+        found.append(Block(page, line, match["lang"], code, path))
+    return found
+
+
+def run_page(page: pathlib.Path) -> dict:
+    """Runs the page's Python blocks in order in one namespace; returns the namespace."""
+    namespace: dict = {"__name__": f"docs:{page.name}"}
+    for block in blocks(page):
+        if block.lang != "python" or block.excerpt_of:
+            continue
+        # Pad with newlines so that tracebacks give the line of the page.
+        source = "\n" * (block.line - 1) + block.code
+        exec(compile(source, str(page), "exec"), namespace)
+    return namespace
+
+
+def _name(page: pathlib.Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def _devices(page: pathlib.Path) -> int | None:
+    match = _DEVICES.search(page.read_text())
+    return int(match["n"]) if match else None
+
+
+def _runnable(page: pathlib.Path) -> bool:
+    return any(b.lang == "python" and not b.excerpt_of for b in blocks(page))
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if _runnable(p)], ids=_name)
+def test_page_runs(page):
+    devices = _devices(page)
+    if devices is None:
+        run_page(page)
+        return
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_docs", _name(page)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+def _all_blocks() -> list[Block]:
+    return [block for page in pages() for block in blocks(page)]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [b for b in _all_blocks() if b.excerpt_of],
+    ids=lambda b: f"{_name(b.page)}:{b.line}",
+)
+def test_excerpt_matches_its_file(block):
+    source = ROOT / block.excerpt_of
+    assert source.is_file(), f"{_name(block.page)}:{block.line}: no file {block.excerpt_of}"
+    text = {line.strip() for line in source.read_text().splitlines()}
+    for line in block.code.splitlines():
+        line = line.split("  # ", 1)[0].strip()  # a comment may be added to an excerpt's line
+        if line and not line.startswith("#") and line != "...":
+            assert line in text, f"{_name(block.page)}:{block.line}: {line!r} not in {source}"
+
+
+def test_every_fence_names_a_known_language():
+    unknown = [
+        f"{_name(b.page)}:{b.line}: {b.lang!r}" for b in _all_blocks() if b.lang not in LANGUAGES
+    ]
+    assert not unknown, f"fences must name one of {sorted(LANGUAGES)}: {unknown}"
+
+
+def test_excerpts_are_rare():
+    python = [b for b in _all_blocks() if b.lang == "python"]
+    excerpts = [b for b in python if b.excerpt_of]
+    where = [f"{_name(b.page)}:{b.line}" for b in excerpts]
+    assert len(excerpts) <= max(3, len(python) // 10), f"too many excerpts: {where}"
+
+
+def test_every_public_name_has_an_api_entry():
+    import jaxmp
+    import jaxmp.linen
+    import jaxmp.nnx
+
+    api = "\n".join(p.read_text() for p in (DOCS / "api").glob("*.md"))
+    documented = set(re.findall(r"^\.\. auto\w+:: (\S+)", api, flags=re.M))
+    public = {f"jaxmp.{name}" for name in jaxmp.__all__}
+    public |= {f"jaxmp.linen.{name}" for name in jaxmp.linen.__all__}
+    public |= {f"jaxmp.nnx.{name}" for name in jaxmp.nnx.__all__}
+    assert not public - documented, sorted(public - documented)
+    assert not documented - public - {"jaxmp", "jaxmp.linen", "jaxmp.nnx"}
+
+
+def test_links_to_local_files_resolve():
+    for page in pages():
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            assert path.exists(), f"{_name(page)}: link to missing {target}"
+
+
+if __name__ == "__main__":
+    # `python -m tests.test_docs PAGE`: run one page here (test_page_runs uses it for pages
+    # that need simulated devices, which must be set up before jax is imported).
+    run_page(ROOT / sys.argv[1])
