@@ -586,16 +586,13 @@ def test_comparison_figure_separates_configs(finished):
     try:
         ax_loss, ax_diff, ax_scale = fig.axes
         # Every config is drawn in its own colour, line style and marker.
-        styles = {
-            (line.get_color(), str(line.get_linestyle()), line.get_label())
-            for line in _data_lines(ax_diff, labelled=True)
-        }
-        assert len(styles) == 3
+        diff_lines = _data_lines(ax_diff, labelled=True)
+        assert len({(line.get_color(), line.get_linestyle()) for line in diff_lines}) == 3
+        names = {r.config.name for r in results}
+        val_markers = [line for line in ax_loss.get_lines() if line.get_label() in names]
+        assert len({(line.get_color(), line.get_marker()) for line in val_markers}) == 4
         # Differences from fp32 on a scale that shows them: ~1.0%, ~1.5% and ~1.0%.
-        diffs = {
-            line.get_label(): np.asarray(line.get_ydata())[-1]
-            for line in _data_lines(ax_diff, labelled=True)
-        }
+        diffs = {line.get_label(): np.asarray(line.get_ydata())[-1] for line in diff_lines}
         assert diffs["mixed_float16"] == pytest.approx(100 / 0.99 - 100, abs=0.05)
         assert diffs["float16_master_weights"] == pytest.approx(100 * 1.005 / 0.99 - 100, abs=0.05)
         low, high = ax_diff.get_ylim()
@@ -610,16 +607,6 @@ def test_comparison_figure_separates_configs(finished):
         assert np.all(a != b) and np.allclose(a, b, rtol=0.2)
         assert scale_lines[0].get_linestyle() != scale_lines[1].get_linestyle()
         assert "no loss scaling (scale 1): fp32, mixed_bfloat16" in ax_scale.get_title()
-        assert (
-            len(
-                [
-                    line
-                    for line in ax_loss.get_lines()
-                    if line.get_label() in {r.config.name for r in results}
-                ]
-            )
-            == 4
-        )
     finally:
         train._pyplot().close(fig)
 
