@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import optax
+from loss_scale_tools import describe_scale  # examples/loss_scale_tools.py: 2^15, not 32768
 
 import jaxmp
 
@@ -152,7 +153,7 @@ for name, (params, history) in runs.items():
     last = history[-1]
     print(
         f"{name:>24}: param dtype {params[0]['w'].dtype}, final loss {last['loss']:.4f}, "
-        f"loss scale {last['loss_scale']:g}, skipped steps {last['skipped_steps']}"
+        f"loss scale {describe_scale(last['loss_scale'])}, skipped steps {last['skipped_steps']}"
     )
 
 # %%

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 
 import jupytext
 import nbclient
@@ -62,6 +63,8 @@ def test_notebook_executes_and_trains():
     assert not [out for out in outputs if out.output_type == "error"]
     text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
     assert "float16 + master weights: param dtype float16" in text
+    # Loss scales print as powers of two, as in train.py and quickstart.py.
+    assert len(re.findall(r", loss scale 2\^\d+, skipped steps", text)) == 3
     assert "float16(1e-8)               = 0.0" in text
     assert any("image/png" in out.get("data", {}) for out in outputs)
     report = json.loads(text.split("REPORT ", 1)[1].splitlines()[0])
