@@ -150,8 +150,10 @@ def test_every_public_name_has_an_api_entry():
     public = {f"jaxmp.{name}" for name in jaxmp.__all__}
     public |= {f"jaxmp.linen.{name}" for name in jaxmp.linen.__all__}
     public |= {f"jaxmp.nnx.{name}" for name in jaxmp.nnx.__all__}
-    assert not public - documented, sorted(public - documented)
-    assert not documented - public - {"jaxmp", "jaxmp.linen", "jaxmp.nnx"}
+    missing = sorted(public - documented)
+    assert not missing, f"add an autodoc entry (`.. autofunction:: NAME`) to docs/api/: {missing}"
+    stale = sorted(documented - public - {"jaxmp", "jaxmp.linen", "jaxmp.nnx"})
+    assert not stale, f"docs/api/ documents names that are not public: {stale}"
 
 
 def test_links_to_local_files_resolve():
