@@ -76,6 +76,38 @@ def _is_number(x: Any) -> bool:
     return _is_array(x) or isinstance(x, (int, float, complex))
 
 
+class _Broadcasts:
+    """Scalars broadcast to the leaves' shapes, once per shape and dtype, and shared.
+
+    A scalar combined with an array is broadcast to the array's shape by each operation
+    of the lowered program. Over a tree of many leaves of a few shapes (the layers of a
+    model) that is one broadcast per leaf and operation, five per leaf in a loss-scaled
+    update, all of which XLA simplifies and fuses one by one: its compile time grows with
+    the instructions it is given. Shared, they cost one instruction per shape.
+    """
+
+    def __init__(self, **scalars: jax.Array):
+        self._scalars = scalars
+        self._made: dict[tuple[str, tuple[int, ...], Any], jax.Array] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any = None) -> jax.Array:
+        key = (name, shape, dtype)
+        made = self._made.get(key)
+        if made is None:
+            value = self._scalars[name] if name != "zero" else jnp.zeros((), dtype)
+            if dtype is not None and jnp.dtype(value.dtype) != dtype:
+                value = value.astype(dtype)
+            made = self._made[key] = value if shape == () else jax.lax.broadcast(value, shape)
+        return made
+
+
+def _is_numeric_array(x: Any) -> bool:
+    """A JAX array of a numeric or boolean dtype (not a PRNG key)."""
+    return isinstance(x, jax.Array) and (
+        jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)
+    )
+
+
 def _unscale(loss_scale: loss_scale_lib.LossScale, tree: Any) -> Any:
     """Widens floating leaves to at least float32 (complex: complex64) and divides by the scale.
 
@@ -86,6 +118,7 @@ def _unscale(loss_scale: loss_scale_lib.LossScale, tree: Any) -> Any:
     """
     inv = 1.0 / jnp.asarray(loss_scale.loss_scale).astype(jnp.float32)
     noop = isinstance(loss_scale, loss_scale_lib.NoOpLossScale)
+    broadcasts = _Broadcasts(inv=inv)
 
     def leaf(x):
         if isinstance(x, (float, complex)):  # not bool or int: those are not trained
@@ -97,7 +130,11 @@ def _unscale(loss_scale: loss_scale_lib.LossScale, tree: Any) -> Any:
         else:
             return x
         x = x if jnp.dtype(x.dtype) == dtype else x.astype(dtype)
-        return x if noop else x * inv.astype(dtype)
+        if noop:
+            return x
+        if isinstance(x, jax.Array):
+            return jax.lax.mul(x, broadcasts("inv", jnp.shape(x), dtype))
+        return x * inv.astype(dtype)
 
     return jax.tree.map(leaf, tree)
 
@@ -114,7 +151,7 @@ def _widen(params: Any) -> Any:
     )
 
 
-def _zero_unless(finite: jax.Array, tree: Any) -> Any:
+def _zero_unless(finite: jax.Array | _Broadcasts, tree: Any) -> Any:
     """``where(finite, x, 0)`` for every array leaf; other leaves pass through.
 
     Applied to the gradients before the inner update as well as to its updates: on a
@@ -122,13 +159,18 @@ def _zero_unless(finite: jax.Array, tree: Any) -> Any:
     gradients (the gradient of a skipped step with respect to a hyperparameter is 0, not
     ``0 * NaN``, and `jax_debug_nans` does not fire inside an update that is discarded,
     unless the inner update makes a NaN of zero gradients itself, as
-    `optax.clip_by_global_norm`'s discarded branch does: 0 / 0).
+    `optax.clip_by_global_norm`'s discarded branch does: 0 / 0). `finite` may be given as
+    its `_Broadcasts` (``finite=...``), shared with the other selects of the update.
     """
+    broadcasts = finite if isinstance(finite, _Broadcasts) else _Broadcasts(finite=finite)
 
     def leaf(x):
+        if _is_numeric_array(x):
+            shape, dtype = jnp.shape(x), jnp.dtype(x.dtype)
+            return jax.lax.select(broadcasts("finite", shape), x, broadcasts("zero", shape, dtype))
         if not _is_number(x):
             return x
-        return jnp.where(finite, x, jnp.zeros_like(x))
+        return jnp.where(broadcasts("finite", ()), x, jnp.zeros_like(x))
 
     return jax.tree.map(leaf, tree)
 
@@ -229,6 +271,7 @@ def _guarded_update(
     *,
     check_outputs: bool = False,
     axis_name: Any = None,
+    shared: _Broadcasts | None = None,
 ) -> tuple[Any, Any, jax.Array]:
     """`inner.update`, then zero updates and the old inner state unless the step is finite.
 
@@ -236,12 +279,14 @@ def _guarded_update(
     and with `check_outputs` whether the updates, the new inner state and
     ``params + updates`` are finite). Under a trace and without `check_outputs`, the
     selects are placed where `inner` computes each new state leaf
-    (`_update_selecting_at_source`); otherwise after the update.
+    (`_update_selecting_at_source`); otherwise after the update. `shared` holds the
+    broadcasts of `finite` already made for the gradients.
     """
     if not check_outputs and _is_traced((grads, inner_state)):
+        shared = shared if shared is not None else _Broadcasts(finite=finite)
         try:
             updates, state = _update_selecting_at_source(
-                inner, finite, grads, inner_state, params, extra_args
+                inner, shared, grads, inner_state, params, extra_args
             )
             return _in_param_dtypes(updates, params), state, finite
         except (jax.errors.JAXTypeError, NotImplementedError):
@@ -277,7 +322,7 @@ def _guarded_update(
 
 def _update_selecting_at_source(
     inner: optax.GradientTransformationExtraArgs,
-    finite: jax.Array,
+    shared: _Broadcasts,
     grads: Any,
     inner_state: Any,
     params: Any,
@@ -293,7 +338,8 @@ def _update_selecting_at_source(
     value is replaced by ``select(finite, new, old)`` as soon as it is computed,
     so later computations, the updates included, read the selected state that is
     written anyway. Where `finite` is true every value is unchanged; where it is
-    false the updates are garbage and zeroed as before.
+    false the updates are garbage and zeroed as before. `shared` is `finite` and its
+    broadcasts to the leaves' shapes (`_Broadcasts`).
     """
     g_all, g_def = jax.tree.flatten(grads)
     s_all, s_def = jax.tree.flatten(inner_state)
@@ -337,7 +383,7 @@ def _update_selecting_at_source(
         if old is None:
             env[var] = value
             return
-        selected = jax.lax.select(finite, value, old)
+        selected = jax.lax.select(shared("finite", jnp.shape(value)), value, old)
         if jax.typeof(selected) != jax.typeof(value):
             # The select changed the value's type: under `shard_map(check_vma=True)`, a
             # device-varying `finite` makes an invariant value (Adam's count) varying,
@@ -362,9 +408,12 @@ def _update_selecting_at_source(
     new_state = []
     for var, value, old in zip(state_vars, outs[n_updates:], s_leaves, strict=True):
         done = not isinstance(var, compat.Literal) and old_of.get(var) is not None
-        new_state.append(value if done else jax.lax.select(finite, jnp.asarray(value), old))
+        value = jnp.asarray(value)
+        new_state.append(
+            value if done else jax.lax.select(shared("finite", value.shape), value, old)
+        )
     return (
-        _zero_unless(finite, new_updates),
+        _zero_unless(shared, new_updates),
         jax.tree.unflatten(jax.tree.structure(s_shape), new_state),
     )
 
@@ -545,9 +594,10 @@ def loss_scaling(
         if "value" in extra_args:
             checked += (extra_args["value"],)
         finite = _finite_across(tree_lib.all_finite(checked), axis_name)
-        grads = _zero_unless(finite, grads)
+        shared = _Broadcasts(finite=finite)
+        grads = _zero_unless(shared, grads)
         if "grad" in extra_args:
-            extra_args["grad"] = _zero_unless(finite, extra_args["grad"])
+            extra_args["grad"] = _zero_unless(shared, extra_args["grad"])
         new_updates, inner_state, finite = _guarded_update(
             inner,
             finite,
@@ -557,6 +607,7 @@ def loss_scaling(
             extra_args,
             check_outputs=check_outputs,
             axis_name=axis_name,
+            shared=shared,
         )
         skipped = (~finite).astype(jnp.int32)
         new_state = LossScalingState(
