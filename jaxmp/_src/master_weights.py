@@ -60,7 +60,7 @@ def _step(master: Any, update: Any, param: Any) -> tuple[Any, Any, Any]:
         # No complex half-precision dtype exists: the master copy is the param itself,
         # and the update is the inner one, in the param's dtype.
         param = jnp.asarray(param)
-        new = master if update is None else master + jnp.asarray(update).astype(master.dtype)
+        new = _plus(master, update)
         return new, (new - param.astype(new.dtype)).astype(param.dtype), None
     if not _is_float_param(param):
         # Integer, boolean and other leaves are not trained: zero updates (None for
@@ -69,8 +69,20 @@ def _step(master: Any, update: Any, param: Any) -> tuple[Any, Any, Any]:
             return master, jnp.zeros_like(param), None
         return master, None, None
     param = jnp.asarray(param)
-    new = master if update is None else master + jnp.asarray(update).astype(master.dtype)
-    return tree_lib.update_to(new, param)
+    return tree_lib.update_to(_plus(master, update), param)
+
+
+def _plus(master: Any, update: Any) -> Any:
+    """``master + update`` in the master copy's dtype (`master` when there is no update)."""
+    if update is None:
+        return master
+    if isinstance(update, jax.Array) and jnp.shape(update) == jnp.shape(master):
+        # `lax` directly: the same addition as `+`, traced in a fraction of the time
+        # (once per leaf of the model).
+        if jnp.dtype(update.dtype) != jnp.dtype(master.dtype):
+            update = jax.lax.convert_element_type(update, master.dtype)
+        return jax.lax.add(master, update)
+    return master + jnp.asarray(update).astype(master.dtype)
 
 
 def master_weights(

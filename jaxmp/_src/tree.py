@@ -212,6 +212,15 @@ def check_same_structure(a: Any, b: Any, *, names: tuple[str, str], check_dtypes
                 )
 
 
+def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return x if jnp.dtype(x.dtype) == dtype else jax.lax.convert_element_type(x, dtype)
+
+
+def _clip(x: jax.Array, limit: np.ndarray) -> jax.Array:
+    """``jnp.clip(x, -limit, limit)``: the same maximum and minimum (NaN stays NaN)."""
+    return jax.lax.min(jax.lax.max(x, -limit), limit)
+
+
 def update_to(new: jax.Array, param: jax.Array) -> tuple[jax.Array, jax.Array, np.ndarray]:
     """The update, in `param`'s dtype, that takes `param` to `new` (a wider value).
 
@@ -227,14 +236,16 @@ def update_to(new: jax.Array, param: jax.Array) -> tuple[jax.Array, jax.Array, n
       update; where ``param + update`` would round up to inf at the edge of the range
       (float16's 32688 + 32832 = 65520), the update is one unit in the last place smaller.
     """
-    limit = np.asarray(jnp.finfo(param.dtype).max).astype(new.dtype)
-    new = jnp.clip(new, -limit, limit)
-    target = new.astype(param.dtype)
+    # `lax` operations throughout: the same operations as `jnp.clip`, `+` and `astype`,
+    # with a fraction of their tracing time (this runs once per leaf of the model).
+    p_dtype, n_dtype = jnp.dtype(param.dtype), jnp.dtype(new.dtype)
+    limit = np.asarray(jnp.finfo(p_dtype).max).astype(n_dtype)
+    new = _clip(new, limit)
+    target = _cast(new, p_dtype)
     # By width, not `jnp.promote_types`, which strict dtype promotion refuses.
-    wide = max(jnp.dtype(param.dtype), jnp.dtype(new.dtype), key=lambda d: d.itemsize)
-    bound = limit.astype(wide)
-    delta = jnp.clip(target.astype(wide) - param.astype(wide), -bound, bound)
-    delta = delta.astype(param.dtype)
+    wide = max(p_dtype, n_dtype, key=lambda d: d.itemsize)
+    delta = jax.lax.sub(_cast(target, wide), _cast(param, wide))
+    delta = _cast(_clip(delta, limit.astype(wide)), p_dtype)
     # One ulp toward 0, as a constant offset: the step down has no derivative, and the
     # update's derivative stays 1 (a hypergradient flows through it as through rounding).
     # Where it is used, `delta` is finite and nonzero (a finite `param` plus a zero or
@@ -243,13 +254,13 @@ def update_to(new: jax.Array, param: jax.Array) -> tuple[jax.Array, jax.Array, n
     # what `jnp.nextafter(delta, 0)` gives there, in 4 instructions instead of about 20
     # (each compiled once per leaf: the update of a model with thousands of leaves).
     fixed = jax.lax.stop_gradient(delta)
-    bits = jnp.dtype(f"int{8 * fixed.dtype.itemsize}")
+    bits = jnp.dtype(f"int{8 * p_dtype.itemsize}")
     toward_0 = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(fixed, bits) - np.ones((), bits), fixed.dtype
+        jax.lax.sub(jax.lax.bitcast_convert_type(fixed, bits), np.ones((), bits)), p_dtype
     )
-    finite = jax.lax.is_finite(param + delta)
+    finite = jax.lax.is_finite(jax.lax.add(param, delta))
     # Where `param + delta` is NaN, both sides are NaN (`delta` is NaN then).
-    delta = jax.lax.select(finite, delta, delta + (toward_0 - fixed))
+    delta = jax.lax.select(finite, delta, jax.lax.add(delta, jax.lax.sub(toward_0, fixed)))
     return new, delta, limit
 
 
