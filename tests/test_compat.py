@@ -178,3 +178,18 @@ def test_known_primitive_names_include_lowered_ones():
     names = compat.known_primitive_names()
     assert {"dot_general", "scan", "while", "cond", "exp", "custom_jvp_call"} <= names
     assert {"dot_general", "exp"} <= compat.lowered_primitive_names()
+
+
+def test_name_stack_parts_and_user_frames_of_a_derivative():
+    def f(x):
+        with jax.named_scope("outer_scope"):
+            return jnp.sin(x) * 3.0
+
+    line = f.__code__.co_firstlineno + 2
+    eqn = _eqn(jax.grad(f), 1.0, name="mul")  # the last one: the backward pass's
+    parts = compat.name_stack_parts(eqn)
+    assert ("transform", "transpose") in parts, parts
+    assert ("scope", "outer_scope") in parts, parts
+    file, first_line, function = compat.user_frames(eqn)[0]
+    # JAX gives the backward equation the traceback of the line it differentiates.
+    assert (file, first_line, function.rsplit(".", 1)[-1]) == (__file__, line, "f")

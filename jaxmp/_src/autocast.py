@@ -68,7 +68,6 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -77,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxmp._src import autocast_rules, compat, dtypes
+from jaxmp._src import autocast_rules, compat, dtypes, interpret
 from jaxmp._src import policy as policy_lib
 
 FLOAT32_OPS = autocast_rules.FLOAT32_OPS
@@ -85,8 +84,6 @@ LOW_PRECISION_OPS = autocast_rules.LOW_PRECISION_OPS
 
 # The name-stack scope `float32_region` opens; equations under it are evaluated as traced.
 REGION_SCOPE = "jaxmp_float32_region"
-
-_HIGHER_ORDER_RULES: dict[str, Callable[..., Any]] = {}
 
 
 def _known_primitive_names() -> frozenset[str]:
@@ -129,13 +126,6 @@ def _cast(x: Any, dtype: Any, cache: dict[Any, Any] | None = None) -> Any:
     return cache[key][1]
 
 
-def _literal_value(var: Any) -> Any:
-    try:
-        return np.asarray(var.val, dtype=var.aval.dtype)
-    except TypeError:
-        return var.val
-
-
 def _promote(dtype_list: Iterable[Any]) -> np.dtype:
     # The rules' own promotion, whatever `jax.numpy_dtype_promotion` the caller runs
     # under (strict mode refuses float16 with float32).
@@ -153,80 +143,108 @@ def _with_preferred_type(params: dict[str, Any], dtype: np.dtype) -> dict[str, A
     return {**params, "preferred_element_type": jnp.dtype(dtype)}
 
 
-def _shape_struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-
 @dataclasses.dataclass
 class _Context:
-    """The rules of one autocast call, and a cache of re-bound nested jits."""
+    """The rules of one autocast call."""
 
     compute_dtype: np.dtype
     low_ops: frozenset[str]
     float32_ops: frozenset[str]
-    jit_cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------
-# The interpreter.
+# The rules, over the shared re-interpretation core (`jaxmp._src.interpret`).
 
 
-def _eval_jaxpr(
-    jaxpr: Any,
-    consts: Iterable[Any],
-    args: Iterable[Any],
-    weak: Iterable[bool],
-    ctx: _Context,
-    in_region: bool = False,
-) -> tuple[list[Any], list[bool]]:
-    """Evaluates `jaxpr` under autocast; returns the outputs and whether each is weak."""
-    env: dict[Any, tuple[Any, bool]] = {}
-    cache: dict[Any, Any] = {}
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["value"], meta_fields=["weak"])
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    """A value under autocast: the array, and whether it is weak (see the module docs)."""
 
-    def read(var: Any) -> tuple[Any, bool]:
-        if isinstance(var, compat.Literal):
-            value = _literal_value(var)
-            return value, not _out_of_range(value, ctx.compute_dtype)
-        return env[var]
+    value: Any
+    weak: bool
 
-    for var, value in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = (value, not _out_of_range(value, ctx.compute_dtype))
-    for var, value, is_weak in zip(jaxpr.invars, args, weak, strict=True):
-        env[var] = (value, is_weak)
 
-    regions = [in_region or REGION_SCOPE in compat.name_stack_of(eqn) for eqn in jaxpr.eqns]
-    paths = _float32_paths(jaxpr, ctx, regions)
-    # The float32 versions of values on a float32 path (see `_float32_paths`).
-    wide_env: dict[Any, Any] = {}
+@dataclasses.dataclass
+class _Frame:
+    """Autocast's analysis of one jaxpr, and the float32 versions of its values."""
 
-    for i, eqn in enumerate(jaxpr.eqns):
-        read_in = [read(v) for v in eqn.invars]
-        vals = [v for v, _ in read_in]
-        flags = [f for _, f in read_in]
-        region = regions[i]
-        if i in paths.wide or i in paths.sinks:
+    regions: list[bool]
+    paths: _Float32Paths
+    wide_env: dict[Any, Any]  # the float32 versions of values on a float32 path
+    cache: dict[Any, Any]  # one convert per value and dtype
+
+
+class _AutocastRules(interpret.Rules):
+    """Autocast as a rule set: each equation cast by `_apply`; control flow by the core."""
+
+    keep_custom_rules = True
+
+    def __init__(self, ctx: _Context):
+        self.ctx = ctx
+
+    def literal(self, value: Any) -> _Value:
+        return _Value(value, not _out_of_range(value, self.ctx.compute_dtype))
+
+    def value(self, v: _Value) -> Any:
+        return v.value
+
+    def wrap(self, x: Any) -> _Value:
+        return _Value(x, False)
+
+    def start(self, jaxpr: Any) -> _Frame:
+        regions = [REGION_SCOPE in compat.name_stack_of(eqn) for eqn in jaxpr.eqns]
+        paths = _float32_paths(jaxpr, self.ctx, regions)
+        return _Frame(regions, paths, {}, {})
+
+    def apply(
+        self, frame: _Frame, index: int, eqn: Any, vals: list[_Value], interp: Any
+    ) -> list[_Value] | None:
+        values = [v.value for v in vals]
+        flags = [v.weak for v in vals]
+        paths = frame.paths
+        if index in paths.wide or index in paths.sinks:
             wide_vals = [
-                wide_env.get(v, x) if not isinstance(v, compat.Literal) else x
-                for v, x in zip(eqn.invars, vals, strict=True)
+                frame.wide_env.get(v, x) if not isinstance(v, compat.Literal) else x
+                for v, x in zip(eqn.invars, values, strict=True)
             ]
-        if i in paths.wide:
-            with compat.source_context(eqn):
-                wide_outs = _run_wide(eqn, wide_vals, flags, cache)
+        if index in paths.wide:
+            wide_outs = _run_wide(eqn, wide_vals, flags, frame.cache)
             for var, value in zip(eqn.outvars, wide_outs, strict=True):
                 if not isinstance(var, compat.DropVar):
-                    wide_env[var] = value
-            if i in paths.wide_only:
-                continue
-        if i in paths.sinks:
-            vals = wide_vals
-        with compat.source_context(eqn):
-            outs, out_flags = _apply(eqn, vals, flags, ctx, region, cache)
-        for var, value, is_weak in zip(eqn.outvars, outs, out_flags, strict=True):
-            if not isinstance(var, compat.DropVar):
-                env[var] = (value, is_weak)
+                    frame.wide_env[var] = value
+            if index in paths.wide_only:
+                return None
+        if index in paths.sinks:
+            values = wide_vals
+        region = frame.regions[index]
+        if not region and eqn.primitive.name not in self.ctx.low_ops | self.ctx.float32_ops:
+            outs = interp.higher_order(eqn, vals)
+            if outs is not NotImplemented:
+                return outs
+        outs, out_flags = _apply(eqn, values, flags, self.ctx, region, frame.cache)
+        return [_Value(x, f) for x, f in zip(outs, out_flags, strict=True)]
 
-    results = [read(v) for v in jaxpr.outvars]
-    return [v for v, _ in results], [f for _, f in results]
+    def fix(self, vals: list[_Value], like: list[_Value]) -> list[_Value]:
+        # Loop carries keep the dtype (and weakness) of their initial value; branches of a
+        # cond give the dtypes `join` chose.
+        return [
+            _Value(_cast_carry([v.value], [s.value.dtype])[0], s.weak)
+            for v, s in zip(vals, like, strict=True)
+        ]
+
+    def join(self, branches: list[list[_Value]]) -> list[_Value]:
+        # Branches may produce different dtypes under autocast: all return the widest.
+        targets = []
+        for outs in zip(*branches, strict=True):
+            structs = [o.value for o in outs]
+            if all(_is_float_dtype(s.dtype) for s in structs):
+                dtype = _promote(s.dtype for s in structs)
+            else:
+                dtype = structs[0].dtype
+            struct = jax.ShapeDtypeStruct(structs[0].shape, dtype)
+            targets.append(_Value(struct, all(o.weak for o in outs)))
+        return targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,9 +357,6 @@ def _apply(
         return _run_in(eqn, vals, ctx.compute_dtype, cache, higher_ok=False), [False] * n_out
     if name in ctx.float32_ops:
         return _run_in_float32(eqn, vals, cache), [False] * n_out
-    rule = _HIGHER_ORDER_RULES.get(name)
-    if rule is not None:
-        return rule(eqn, vals, flags, ctx)
     if name == "convert_element_type":
         return _convert_rule(eqn, vals, flags)
     if name in autocast_rules.AS_TRACED_OPS:
@@ -428,224 +443,11 @@ def _convert_rule(eqn: Any, vals: list[Any], flags: list[bool]) -> tuple[list[An
     return _bind(eqn, [x]), [False]
 
 
-# --------------------------------------------------------------------------------------------
-# Higher-order primitives.
-
-
-def _rule(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        for name in names:
-            _HIGHER_ORDER_RULES[name] = fn
-        return fn
-
-    return register
-
-
-@_rule("jit", "pjit")
-def _jit_rule(eqn, vals, flags, ctx):
-    closed = eqn.params["jaxpr"]
-    sub, sub_consts = compat.jaxpr_and_consts(closed)
-    key = (id(closed), tuple((x.shape, str(x.dtype)) for x in vals), tuple(flags))
-    entry = ctx.jit_cache.get(key)
-    if entry is None:
-        holder: list[list[bool]] = []
-
-        def inner(*args):
-            outs, out_flags = _eval_jaxpr(sub, sub_consts, args, flags, ctx)
-            holder[:] = [out_flags]
-            return outs
-
-        inner.__name__ = inner.__qualname__ = str(eqn.params.get("name", "jit"))
-        jitted = jax.jit(
-            inner,
-            inline=bool(eqn.params.get("inline", False)),
-            keep_unused=bool(eqn.params.get("keep_unused", False)),
-        )
-        # `closed` is kept alive so that its id is not reused while the entry exists.
-        entry = ctx.jit_cache[key] = (jitted, holder, closed)
-    jitted, holder, _ = entry
-    outs = jitted(*vals)
-    return list(outs), list(holder[0])
-
-
-@_rule("closed_call", "core_call", "call")
-def _call_rule(eqn, vals, flags, ctx):
-    sub, sub_consts = compat.jaxpr_and_consts(eqn.params["call_jaxpr"])
-    return _eval_jaxpr(sub, sub_consts, vals, flags, ctx)
-
-
-@_rule("remat2", "checkpoint", "remat")
-def _remat_rule(eqn, vals, flags, ctx):
-    sub, sub_consts = compat.jaxpr_and_consts(eqn.params["jaxpr"])
-    holder: list[list[bool]] = []
-
-    def inner(*args):
-        outs, out_flags = _eval_jaxpr(sub, sub_consts, args, flags, ctx)
-        holder[:] = [out_flags]
-        return outs
-
-    outs = jax.checkpoint(
-        inner, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-    )(*vals)
-    return list(outs), list(holder[0])
-
-
 def _cast_carry(values: list[Any], carry_dtypes: list[Any]) -> list[Any]:
     return [
         _cast(x, d) if _is_float(x) and _is_float_dtype(d) else x
         for x, d in zip(values, carry_dtypes, strict=True)
     ]
-
-
-@_rule("scan")
-def _scan_rule(eqn, vals, flags, ctx):
-    params = eqn.params
-    sub, sub_consts = compat.jaxpr_and_consts(params["jaxpr"])
-    n_consts, n_carry = compat.scan_counts(params)
-    consts, init, xs = (
-        vals[:n_consts],
-        vals[n_consts : n_consts + n_carry],
-        vals[n_consts + n_carry :],
-    )
-    in_flags = list(flags)
-    # Loop carries keep the dtype of their initial value; the body's result is cast to it.
-    carry_dtypes = [x.dtype for x in init]
-    holder: list[list[bool]] = []
-
-    def body(carry, x):
-        outs, out_flags = _eval_jaxpr(sub, sub_consts, [*consts, *carry, *x], in_flags, ctx)
-        holder[:] = [out_flags[n_carry:]]
-        return _cast_carry(outs[:n_carry], carry_dtypes), outs[n_carry:]
-
-    carry, ys = lax.scan(
-        body,
-        list(init),
-        list(xs),
-        length=params["length"],
-        reverse=params["reverse"],
-        unroll=params["unroll"],
-    )
-    return [*carry, *ys], [*flags[n_consts : n_consts + n_carry], *holder[0]]
-
-
-@_rule("while")
-def _while_rule(eqn, vals, flags, ctx):
-    params = eqn.params
-    cond_jaxpr, cond_sub_consts = compat.jaxpr_and_consts(params["cond_jaxpr"])
-    body_jaxpr, body_sub_consts = compat.jaxpr_and_consts(params["body_jaxpr"])
-    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
-    cond_consts, body_consts = vals[:n_cond], vals[n_cond : n_cond + n_body]
-    init = vals[n_cond + n_body :]
-    cond_flags, body_flags = flags[:n_cond], flags[n_cond : n_cond + n_body]
-    init_flags = flags[n_cond + n_body :]
-    carry_dtypes = [x.dtype for x in init]
-
-    def cond_fn(carry):
-        outs, _ = _eval_jaxpr(
-            cond_jaxpr,
-            cond_sub_consts,
-            [*cond_consts, *carry],
-            [*cond_flags, *init_flags],
-            ctx,
-        )
-        return outs[0]
-
-    def body_fn(carry):
-        outs, _ = _eval_jaxpr(
-            body_jaxpr,
-            body_sub_consts,
-            [*body_consts, *carry],
-            [*body_flags, *init_flags],
-            ctx,
-        )
-        return _cast_carry(outs, carry_dtypes)
-
-    out = lax.while_loop(cond_fn, body_fn, list(init))
-    return list(out), list(init_flags)
-
-
-@_rule("cond")
-def _cond_rule(eqn, vals, flags, ctx):
-    index, operands = vals[0], vals[1:]
-    op_flags = flags[1:]
-    branches = eqn.params["branches"]
-    out_flags: list[list[bool]] = []
-
-    def make_branch(closed):
-        sub, sub_consts = compat.jaxpr_and_consts(closed)
-
-        def branch(*args):
-            outs, branch_flags = _eval_jaxpr(sub, sub_consts, args, op_flags, ctx)
-            out_flags.append(branch_flags)
-            return outs
-
-        return branch
-
-    fns = [make_branch(b) for b in branches]
-    structs = [_shape_struct(x) for x in operands]
-    shapes = [jax.eval_shape(fn, *structs) for fn in fns]
-    # Branches may produce different dtypes under autocast: all return the widest.
-    targets = []
-    for outs in zip(*shapes, strict=True):
-        if all(_is_float_dtype(o.dtype) for o in outs):
-            targets.append(_promote(o.dtype for o in outs))
-        else:
-            targets.append(outs[0].dtype)
-
-    def cast_outputs(fn):
-        return lambda *args: _cast_carry(fn(*args), targets)
-
-    outs = lax.switch(index, [cast_outputs(fn) for fn in fns], *operands)
-    weak = [all(f[i] for f in out_flags) for i in range(len(targets))]
-    return list(outs), weak
-
-
-@_rule("custom_jvp_call")
-def _custom_jvp_rule(eqn, vals, flags, ctx):
-    params = eqn.params
-    call, call_consts = compat.jaxpr_and_consts(params["call_jaxpr"])
-    num_consts = params["num_consts"]
-    symbolic_zeros = params["symbolic_zeros"]
-    holder: list[list[bool]] = []
-
-    def primal(*args):
-        outs, out_flags = _eval_jaxpr(call, call_consts, args, flags, ctx)
-        holder[:] = [out_flags]
-        return outs
-
-    out_structs = jax.eval_shape(primal, *[_shape_struct(x) for x in vals])
-    out_dtypes = [s.dtype for s in out_structs]
-    fn = jax.custom_jvp(primal)
-
-    def jvp(primals, tangents):
-        args, tans = list(primals[num_consts:]), list(tangents[num_consts:])
-        zeros = [compat.is_symbolic_zero(t) if symbolic_zeros else False for t in tans]
-        jvp_jaxpr, jvp_consts, out_zeros = compat.custom_jvp_rule_jaxpr(params, zeros)
-        nonzero = [t for t, z in zip(tans, zeros, strict=True) if not z]
-        arg_flags = list(flags[num_consts:]) + [False] * len(nonzero)
-        outs, _ = _eval_jaxpr(jvp_jaxpr, jvp_consts, [*args, *nonzero], arg_flags, ctx)
-        n = len(out_zeros)
-        out_primals = _cast_carry(outs[:n], out_dtypes)
-        nonzero_out = iter(outs[n:])
-        out_tangents = []
-        for struct, is_zero in zip(out_structs, out_zeros, strict=True):
-            if is_zero:
-                dtype = struct.dtype if _is_float_dtype(struct.dtype) else jax.dtypes.float0
-                out_tangents.append(
-                    np.zeros(struct.shape, dtype)
-                    if dtype == jax.dtypes.float0
-                    else jnp.zeros(struct.shape, dtype)
-                )
-            else:
-                tangent = next(nonzero_out)
-                out_tangents.append(
-                    _cast(tangent, struct.dtype) if _is_float_dtype(struct.dtype) else tangent
-                )
-        return out_primals, out_tangents
-
-    fn.defjvp(jvp, symbolic_zeros=symbolic_zeros)
-    outs = fn(*vals)
-    return list(outs), list(holder[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -714,55 +516,6 @@ def _output_dtype(computed: Any, traced: Any, output_dtype: np.dtype) -> np.dtyp
     return output_dtype
 
 
-def _is_dynamic(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
-
-
-@dataclasses.dataclass(frozen=True)
-class _ArgSpec:
-    """The static part of a call: the argument tree and its non-array leaves."""
-
-    treedef: Any
-    static: tuple[tuple[int, Any], ...]
-    num_leaves: int
-
-    def merge(self, dynamic: Iterable[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        leaves: list[Any] = [None] * self.num_leaves
-        static = dict(self.static)
-        it = iter(dynamic)
-        for i in range(self.num_leaves):
-            leaves[i] = static[i] if i in static else next(it)
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
-def _split_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_ArgSpec, list[Any]]:
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    static = tuple((i, x) for i, x in enumerate(leaves) if not _is_dynamic(x))
-    dynamic = [x for x in leaves if _is_dynamic(x)]
-    return _ArgSpec(treedef, static, len(leaves)), dynamic
-
-
-def _hashable(spec: _ArgSpec) -> bool:
-    try:
-        hash(spec)
-    except TypeError:
-        return False
-    return True
-
-
-def _split_graph_nodes(tree: Any) -> Any:
-    """`jaxmp.nnx`'s split of the Flax NNX graph nodes in `tree`, or None.
-
-    autocast itself does not import Flax: a program that passes NNX modules has imported
-    ``flax.nnx`` already, and only then is `jaxmp.nnx` asked.
-    """
-    if "flax.nnx" not in sys.modules:
-        return None
-    from jaxmp import nnx as jaxmp_nnx
-
-    return jaxmp_nnx._split_graph_nodes(tree)
-
-
 class Autocast:
     """The function `autocast` returns; call it like the wrapped function.
 
@@ -787,7 +540,7 @@ class Autocast:
         self._jitted = jax.jit(self._run, static_argnums=(0, 1))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        graph = _split_graph_nodes((args, kwargs))
+        graph = interpret.split_graph_nodes((args, kwargs))
         if graph is not None:
             # NNX modules (BatchNorm statistics, the Rngs counters) are mutated in place:
             # call with their state and write the updated variables back, as `nnx.jit` does.
@@ -798,8 +551,8 @@ class Autocast:
         return self._call(False, args, kwargs)
 
     def _call(self, graph: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        spec, dynamic = _split_args(args, kwargs)
-        if not any(isinstance(x, compat.Tracer) for x in dynamic) and _hashable(spec):
+        spec, dynamic = interpret.split_args(args, kwargs)
+        if not any(isinstance(x, compat.Tracer) for x in dynamic) and spec.hashable():
             # Called outside any transformation: trace, re-interpret and compile once per
             # argument signature.
             return self._jitted(graph, spec, *dynamic)
@@ -807,41 +560,23 @@ class Autocast:
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> compat.ClosedJaxpr:
         """Returns the jaxpr autocast produces for these arguments (see `autocast_jaxpr`)."""
-        spec, dynamic = _split_args(args, kwargs)
+        spec, dynamic = interpret.split_args(args, kwargs)
         return jax.make_jaxpr(functools.partial(self._run, False, spec))(*dynamic)
 
-    def _run(self, graph: bool, spec: _ArgSpec, *dynamic: Any) -> Any:
-        out_tree: list[Any] = []
-        num_out: list[int] = []
-
-        def flat_fun(*values):
-            call_args, call_kwargs = spec.merge(values)
-            if graph:
-                # `(out, new_leaves)`: the state leaves the call changed (None if unchanged).
-                nodes, others, state = call_args
-                call_args, call_kwargs, read_state = nodes.merge(others, state)
-                before = jax.tree.leaves(state)
-                out = self._fun(*call_args, **call_kwargs)
-                after = jax.tree.leaves(read_state())
-                new_leaves = [
-                    None if new is old else new for new, old in zip(after, before, strict=True)
-                ]
-                result = (out, new_leaves)
-            else:
-                result = self._fun(*call_args, **call_kwargs)
-            out_leaves, tree = jax.tree.flatten(result)
-            out_tree.append(tree)
-            num_out.append(len(jax.tree.leaves(result[0])) if graph else len(out_leaves))
-            return out_leaves
-
-        closed = jax.make_jaxpr(flat_fun)(*dynamic)
+    def _run(self, graph: bool, spec: interpret.ArgSpec, *dynamic: Any) -> Any:
+        # With `graph`, the outputs are `(out, new_leaves)`: the state leaves the call
+        # changed (None if unchanged).
+        traced = interpret.trace_call(self._fun, graph, spec, dynamic)
+        closed = traced.closed
         ctx = _Context(
             compute_dtype=self.policy.compute_dtype,
             low_ops=self.low_precision_ops,
             float32_ops=self.float32_ops,
         )
-        outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, dynamic, [True] * len(dynamic), ctx)
-        n = num_out[0]
+        interp = interpret.Interpreter(_AutocastRules(ctx))
+        values = interp.eval_jaxpr(closed.jaxpr, closed.consts, [_Value(x, True) for x in dynamic])
+        outs = [v.value for v in values]
+        n = traced.num_out
         outs = [
             _cast(x, _output_dtype(x.dtype, v.aval.dtype, self.policy.output_dtype))
             if _is_float(x) and _is_float_dtype(v.aval.dtype)
@@ -852,7 +587,7 @@ class Autocast:
             _cast(x, v.aval.dtype) if _is_float(x) and _is_float_dtype(v.aval.dtype) else x
             for x, v in zip(outs[n:], closed.jaxpr.outvars[n:], strict=True)
         ]
-        return jax.tree.unflatten(out_tree[0], outs)
+        return jax.tree.unflatten(traced.out_tree, outs)
 
     def __repr__(self) -> str:
         name = getattr(self._fun, "__name__", repr(self._fun))

@@ -1,8 +1,9 @@
 """The one place jaxmp touches JAX internals, with one shim per difference between versions.
 
-jaxmp re-interprets jaxprs (`jaxmp.autocast`, and the select-at-source update of
-`jaxmp.loss_scaling`). That needs names from ``jax.extend.core``, the parameters of the
-control-flow primitives and the way an equation is re-bound, all of which change between JAX
+jaxmp re-interprets jaxprs (the core in `jaxmp._src.interpret`, under `jaxmp.autocast` and
+`jaxmp.inspect`, and the select-at-source update of `jaxmp.loss_scaling`). That needs names
+from ``jax.extend.core``, the parameters of the control-flow primitives, the way an equation
+is re-bound and where it came from (name stack, user frames), all of which change between JAX
 releases. Every such use goes through this module; nothing else in jaxmp imports
 ``jax._src`` or reads a primitive's parameters by a version-dependent key.
 
@@ -43,11 +44,13 @@ __all__ = [
     "known_primitive_names",
     "lowered_primitive_names",
     "name_stack_of",
+    "name_stack_parts",
     "missing_internal_names",
     "primitives_in",
     "resolve",
     "scan_counts",
     "source_context",
+    "user_frames",
 ]
 
 #: Every JAX name jaxmp relies on that is not part of JAX's stable public API: its name here
@@ -65,6 +68,9 @@ INTERNAL_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("primitives", ("jax.extend.core.primitives",)),
     ("current_name_stack", ("jax.extend.source_info_util.current_name_stack",)),
     ("user_context", ("jax.extend.source_info_util.user_context",)),
+    # The user's frames of a traceback (JAX's own files and the standard library left out):
+    # only in jax._src, same signature and `Frame` fields in jax 0.8 to 0.12.
+    ("user_frames", ("jax._src.source_info_util.user_frames",)),
     ("Tracer", ("jax.core.Tracer",)),
     ("SymbolicZero", ("jax.custom_derivatives.SymbolicZero",)),
     ("mlir_lowerings", ("jax._src.interpreters.mlir._lowerings",)),
@@ -214,6 +220,37 @@ def source_context(eqn: Any) -> Iterator[None]:
 def name_stack_of(eqn: Any) -> str:
     """The name stack (``jax.named_scope`` path, Flax module path) of `eqn`, as a string."""
     return str(eqn.source_info.name_stack)
+
+
+def name_stack_parts(eqn: Any) -> list[tuple[str, str]]:
+    """`eqn`'s name stack as ``(kind, name)`` pairs, outermost first.
+
+    kind is ``"transform"`` for a transformation (``jvp``, ``transpose``, ``vmap``...) and
+    ``"scope"`` for a `jax.named_scope` (Flax Linen opens one per module call). The name stack's
+    ``stack`` holds ``Scope`` and ``Transform`` objects with a ``name`` in jax 0.8 to 0.12.
+    """
+    parts = []
+    for element in eqn.source_info.name_stack.stack:
+        kind = "transform" if type(element).__name__ == "Transform" else "scope"
+        parts.append((kind, str(element.name)))
+    return parts
+
+
+def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of the user's frames in `eqn`'s traceback, innermost first.
+
+    Frames in JAX's own files and in the Python standard library are left out (JAX's test for
+    user code, as in its error messages). The traceback is that of the line that bound the
+    primitive; JAX gives the equations of a derivative the traceback of the line they
+    differentiate.
+    """
+    traceback = eqn.source_info.traceback
+    if traceback is None:
+        return []
+    return [
+        (frame.file_name, int(frame.start_line), frame.function_name)
+        for frame in resolve("user_frames")(traceback)
+    ]
 
 
 def lowered_primitive_names() -> set[str]:
