@@ -35,54 +35,58 @@ def _row_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (max(d for d in range(1, 33) if size % d == 0),)
 
 
+def _combined(leaves: list[jax.Array], mask: Any) -> jax.Array:
+    """``mask(x1) & mask(x2) & ...`` for `leaves` of one shape, as a balanced tree.
+
+    A chain instead (``((m1 & m2) & m3) & ...``) of reshaped masks makes XLA's simplifier
+    move one reshape per pass over the whole program, up to its limit of passes.
+    """
+    masks = [mask(x) for x in leaves]
+    while len(masks) > 1:
+        pairs = [jax.lax.bitwise_and(a, b) for a, b in zip(masks[::2], masks[1::2], strict=False)]
+        masks = pairs + ([masks[-1]] if len(masks) % 2 else [])
+    return masks[0]
+
+
 def _rows_all(leaves: list[jax.Array], mask: Any) -> jax.Array:
     """Per-row conjunction of ``mask(x)`` over `leaves` of one shape: a boolean vector.
 
     Each leaf is read once, as rows of up to 512 elements: the masks of the leaves are
-    combined element by element (``mask(x1) & mask(x2) & ...``, one loop over all of them)
-    and each row is reduced to one bool. XLA:CPU splits a reduction over a dimension of
-    more than 32 elements into a reduce-window whose input, the whole boolean array, is
-    written out and read back: the plain ``isfinite(x).all()`` costs 1.5 reads of a float32
-    leaf. A reduction over dimensions of at most 32 fuses with the mask, and only one bool
-    per row reaches memory. On GPU both forms are one fused read.
+    combined element by element (`_combined`, one loop over all of them) and each row is
+    reduced to one bool. XLA:CPU splits a reduction over a dimension of more than 32
+    elements into a reduce-window whose input, the whole boolean array, is written out and
+    read back: the plain ``isfinite(x).all()`` costs 1.5 reads of a float32 leaf. A
+    reduction over dimensions of at most 32 fuses with the mask, and only one bool per row
+    reaches memory. On GPU both forms are one fused read.
 
     One reduction for many leaves is also what keeps compile time down: XLA:CPU compiles a
     reduction several times slower than an elementwise fusion, so one per leaf made the
-    finiteness check of a 2,000-leaf tree cost more compile time than Adam's update. The
-    masks are combined as a balanced tree in the leaves' own shape and reshaped once: a
-    chain of reshaped masks makes XLA's simplifier move one reshape per pass, up to its
-    limit of passes over the whole program.
+    finiteness check of a 2,000-leaf tree cost more compile time than Adam's update.
     """
-    masks = [mask(x) for x in leaves]
-    while len(masks) > 1:
-        pairs = zip(masks[::2], masks[1::2], strict=False)
-        pairs_and = [jax.lax.bitwise_and(a, b) for a, b in pairs]
-        masks = pairs_and + ([masks[-1]] if len(masks) % 2 else [])
     row = _row_shape(jnp.shape(leaves[0]))
-    rows = jnp.reshape(masks[0], (-1, *row))
+    rows = jnp.reshape(_combined(leaves, mask), (-1, *row))
     return rows.all(axis=tuple(range(1, len(row) + 1)))
 
 
 def _all_of(leaves: list[Any], mask: Any) -> jax.Array:
     """Whether ``mask(x)`` is true everywhere for every array in `leaves`, each read once.
 
-    Leaves of the same dtype and shape are reduced together, up to `_GROUP` at a time
-    (`_rows_all`); leaves of fewer than 33 elements are concatenated and reduced at once.
-    The number of reductions then grows with the number of distinct leaf shapes, not
-    with the number of leaves (an unscanned transformer repeats a dozen shapes per layer).
+    Leaves of the same dtype and shape are reduced together, up to `_GROUP` at a time:
+    row by row (`_rows_all`) from 33 elements, at once below. The number of reductions
+    then grows with the number of distinct leaf shapes, not with the number of leaves (an
+    unscanned transformer repeats a dozen shapes per layer). Leaves of different shapes are
+    not concatenated: XLA splits a reduction of a concatenation into one per operand.
     """
-    small: list[jax.Array] = []
     groups: dict[tuple[Any, tuple[int, ...]], list[jax.Array]] = {}
     for x in leaves:
-        if jnp.size(x) < _ROWS_FROM:
-            small.append(jnp.ravel(mask(x)))
-        else:
-            groups.setdefault((jnp.dtype(x.dtype), jnp.shape(x)), []).append(x)
-    results = [
-        jnp.concatenate(chunk).all() if len(chunk) > 1 else chunk[0].all()
-        for chunk in _chunks(small)
-    ]
-    rows = [_rows_all(chunk, mask) for group in groups.values() for chunk in _chunks(group)]
+        groups.setdefault((jnp.dtype(x.dtype), jnp.shape(x)), []).append(x)
+    results, rows = [], []
+    for (_, shape), group in groups.items():
+        for chunk in _chunks(group):
+            if math.prod(shape) < _ROWS_FROM:
+                results.append(_combined(chunk, mask).all())
+            else:
+                rows.append(_rows_all(chunk, mask))
     if rows:
         # The barrier keeps XLA from merging the per-row reductions back into
         # whole-leaf ones (see `_rows_all`).
