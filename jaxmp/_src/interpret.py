@@ -128,6 +128,22 @@ class Rules:
         del kind, detail
         return meta
 
+    def loop_inputs(self, eqn: Any) -> Any:
+        """Arrays the rules hand to each iteration of the ``scan`` `eqn`, or None.
+
+        A pytree whose leaves have the loop's length as leading axis; the core scans over
+        them with the loop's own inputs, and `in_iteration` receives each iteration's slice
+        (FP8's per-iteration delayed-scaling state: one history per layer of a scanned
+        stack, each receiving its own gradient instead of their sum).
+        """
+        del eqn
+        return None
+
+    def in_iteration(self, inputs: Any) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the body of a ``scan`` with its slice of `loop_inputs`."""
+        del inputs
+        return contextlib.nullcontext()
+
 
 # --------------------------------------------------------------------------------------------
 # Helpers.
@@ -349,6 +365,16 @@ class Interpreter:
                     env[var] = out
         return [read(v) for v in jaxpr.outvars]
 
+    def inline(self, eqn: Any, vals: list[Any], param: str = "jaxpr") -> list[Any]:
+        """Evaluates the sub-jaxpr of a call-like equation (``jit``, ``remat``) in place.
+
+        Unlike `higher_order`, no new ``jit`` or ``checkpoint`` boundary is made: the body is
+        traced again for each equation, even where two equations share one sub-jaxpr.
+        """
+        sub, sub_consts = compat.jaxpr_and_consts(eqn.params[param])
+        with self._nested(eqn):
+            return self.eval_jaxpr(sub, sub_consts, vals)
+
     def higher_order(self, eqn: Any, vals: list[Any]) -> list[Any] | Any:
         """Evaluates a control-flow equation, its sub-jaxprs under the rules.
 
@@ -455,11 +481,15 @@ def _scan(interp: Interpreter, eqn: Any, vals: list[Any]) -> list[Any]:
     c_leaves, c_tree = jax.tree.flatten(consts)
     i_leaves, i_tree = jax.tree.flatten(init)
     x_leaves, x_tree = jax.tree.flatten(xs)
+    n_xs = len(x_leaves)
+    side_leaves, side_tree = jax.tree.flatten(rules.loop_inputs(eqn))
+    x_leaves = x_leaves + side_leaves  # the rules' per-iteration inputs follow the loop's
     init_structs = _structs(init)
     holder: list[Any] = []
 
     def body(clock, c_args, carry, x):
-        with interp._body(clock) as b:
+        x, side = x[:n_xs], jax.tree.unflatten(side_tree, x[n_xs:])
+        with interp._body(clock) as b, rules.in_iteration(side):
             args = [
                 *jax.tree.unflatten(c_tree, c_args),
                 *jax.tree.unflatten(i_tree, carry),
