@@ -1,7 +1,8 @@
 """jaxmp: functional mixed precision for JAX.
 
 Precision policies, loss scales, and loss scaling and FP32 master weights as
-optax transformations.
+optax transformations; for less memory, stochastic rounding or Kahan summation of
+half-precision params and compressed optimizer states.
 """
 
 from jaxmp._src.autocast import (
@@ -13,9 +14,11 @@ from jaxmp._src.autocast import (
     float32_region,
 )
 from jaxmp._src.casting import cast_to_full, cast_to_half, cast_tree
+from jaxmp._src.compress_state import CompressedLeaf, CompressStateState, compress_state
 from jaxmp._src.distributed import pmean_in_float32, psum_in_float32, state_shardings
 from jaxmp._src.dtypes import dtype_to_names, half_dtype
 from jaxmp._src.grad import filter_value_and_grad, value_and_grad
+from jaxmp._src.kahan_summation import KahanSummationState, kahan_summation
 from jaxmp._src.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -31,6 +34,11 @@ from jaxmp._src.state import (
     inner_state,
     loss_scale_metrics,
     schedule_free_eval_params,
+)
+from jaxmp._src.stochastic_rounding import (
+    StochasticRoundingState,
+    stochastic_round,
+    stochastic_rounding,
 )
 from jaxmp._src.tree import all_finite, select_tree
 
@@ -50,20 +58,25 @@ __all__ = (
     "FLOAT32_OPS",
     "LOW_PRECISION_OPS",
     "Autocast",
+    "CompressStateState",
+    "CompressedLeaf",
     "autocast",
     "autocast_jaxpr",
     "float32_region",
     "DynamicLossScale",
+    "KahanSummationState",
     "LossScale",
     "LossScalingState",
     "MasterWeightsState",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
+    "StochasticRoundingState",
     "all_finite",
     "cast_to_full",
     "cast_to_half",
     "cast_tree",
+    "compress_state",
     "default_loss_scale",
     "dtype_to_names",
     "filter_value_and_grad",
@@ -71,6 +84,7 @@ __all__ = (
     "get_policy",
     "half_dtype",
     "inner_state",
+    "kahan_summation",
     "loss_scale_metrics",
     "loss_scaling",
     "master_weights",
@@ -80,5 +94,7 @@ __all__ = (
     "schedule_free_eval_params",
     "select_tree",
     "state_shardings",
+    "stochastic_round",
+    "stochastic_rounding",
     "value_and_grad",
 )

@@ -32,7 +32,6 @@ from jaxmp._src import policy as policy_lib
 from jaxmp._src import state as state_lib
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.loss_scaling import loss_scaling
-from jaxmp._src.master_weights import MasterWeightsState
 from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
 
 __all__ = ("TrainState", "policy_scope")
@@ -188,10 +187,11 @@ def _with_loss_scaling(
     abstract = jax.eval_shape(tx.init, params)
     if state_lib.find_loss_scaling_states(abstract):
         return tx
-    leaves = jax.tree_util.tree_leaves(
-        abstract, is_leaf=lambda x: isinstance(x, MasterWeightsState)
-    )
-    has_master = any(isinstance(leaf, MasterWeightsState) for leaf in leaves)
+    # A master copy, or a rounding rule for params without one: the updates are ready for
+    # half-precision params, and `mixed_precision` would add a master copy.
+    updates_params = state_lib.PARAM_UPDATE_STATES
+    leaves = jax.tree_util.tree_leaves(abstract, is_leaf=lambda x: isinstance(x, updates_params))
+    has_master = any(isinstance(leaf, updates_params) for leaf in leaves)
     try:
         return _wrapped(tx, policy, has_master)
     except TypeError:  # an unhashable transformation: wrap it afresh
@@ -265,7 +265,8 @@ class TrainState(train_state.TrainState):
         state holds no jaxmp loss-scaling state is wrapped automatically:
         ``jaxmp.mixed_precision(tx, policy)`` (loss scale
         `jaxmp.default_loss_scale`), or just `jaxmp.loss_scaling` when it
-        already holds a `jaxmp.master_weights` state.
+        already holds a `jaxmp.master_weights`, `jaxmp.stochastic_rounding` or
+        `jaxmp.kahan_summation` state.
 
         Args:
           apply_fn: usually ``model.apply``.

@@ -6,11 +6,10 @@ from typing import Any
 
 import optax
 
-from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import low_memory
 from jaxmp._src import policy as policy_lib
 from jaxmp._src.loss_scaling import as_transformation, loss_scaling
-from jaxmp._src.master_weights import master_weights
 
 
 def default_loss_scale(policy: policy_lib.Policy | str) -> loss_scale_lib.LossScale:
@@ -37,6 +36,10 @@ def mixed_precision(
     loss_scale: loss_scale_lib.LossScale | None = None,
     *,
     axis_name: Any = None,
+    master_weights: bool | None = None,
+    rounding: str = "nearest",
+    moments: str | tuple[str, str] = "float32",
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer for training under `policy`.
 
@@ -48,24 +51,51 @@ def mixed_precision(
     Initialise it with the full-precision params (so the master copy starts
     exact) and keep the params themselves in ``policy.param_dtype``.
 
+    For less memory (see the low-memory guide), half-precision params can go
+    without the master copy (``master_weights=False``): each update is then
+    rounded to the params' dtype to nearest (``rounding="nearest"``, which loses
+    updates below half a unit in the last place), stochastically
+    (``"stochastic"``, `jaxmp.stochastic_rounding`) or with a compensation buffer
+    (``"kahan"``, `jaxmp.kahan_summation`). And the optimizer's moments can be
+    stored in fewer bytes (``moments``, `jaxmp.compress_state`). With bfloat16
+    params, stochastic rounding and bfloat16 moments, Adam takes 6 bytes per
+    parameter instead of 12 (float32) or 14 (float16 params and a master copy).
+
     Args:
       inner: the optimizer (any optax transformation).
       policy: a `Policy` or a policy string for `get_policy`.
       loss_scale: the loss scale; default `default_loss_scale(policy)`.
       axis_name: passed to `loss_scaling`, for `shard_map` / `pmap` code.
+      master_weights: keep a float32 master copy of float16 or bfloat16 params
+        (`jaxmp.master_weights`). Default (None): for such params, yes.
+      rounding: without a master copy, how the new half-precision params are
+        rounded: ``"nearest"``, ``"stochastic"`` or ``"kahan"``.
+      moments: the storage format of the optimizer's moments (`compress_state`):
+        ``"float32"`` (as computed), ``"bfloat16"``, ``"int8"`` or ``"fp8"``, or a
+        pair for the first and the second moment.
+      seed: the seed of the PRNG keys of stochastic rounding (of the params and of
+        compressed moments).
 
     Returns:
       An `optax.GradientTransformationExtraArgs`.
 
     Raises:
-      TypeError / ValueError: for a bad `inner`, `policy` or `loss_scale`.
+      TypeError / ValueError: for a bad argument (naming it, and the valid
+        choices), or a ``rounding`` other than ``"nearest"`` with a master copy or
+        float32 params.
 
     Example:
-      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> import jax, jax.numpy as jnp, optax, jaxmp
       >>> tx = jaxmp.mixed_precision(optax.adam(1e-3), "p=f16,c=f16")
       >>> state = tx.init({"w": jnp.ones(3)})
       >>> jaxmp.get_loss_scale(state).loss_scale
       Array(32768., dtype=float32)
+      >>> tx = jaxmp.mixed_precision(optax.adam(1e-3), "p=bf16,c=bf16", master_weights=False,
+      ...                            rounding="stochastic", moments="bfloat16")
+      >>> params = {"w": jnp.ones((256, 256), jnp.bfloat16)}
+      >>> leaves = jax.tree.leaves((params, tx.init(params)))
+      >>> sum(x.nbytes for x in leaves) / params["w"].size  # bytes per parameter
+      6.0...
     """
     inner = as_transformation(inner)
     policy = policy_lib.as_policy(policy, arg="policy")
@@ -73,6 +103,12 @@ def mixed_precision(
         loss_scale = default_loss_scale(policy)
     else:
         loss_scale = loss_scale_lib.as_loss_scale(loss_scale)
-    if policy.param_dtype in dtypes.HALF_DTYPES:
-        inner = master_weights(inner)
+    inner = low_memory.wrap(
+        inner,
+        policy,
+        master_weights=master_weights,
+        rounding=rounding,
+        moments=moments,
+        seed=seed,
+    )
     return loss_scaling(inner, loss_scale, axis_name=axis_name)

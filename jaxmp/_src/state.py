@@ -8,8 +8,14 @@ import jax
 
 from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src.compress_state import CompressStateState, decompressed
+from jaxmp._src.kahan_summation import KahanSummationState
 from jaxmp._src.loss_scaling import LossScalingState
 from jaxmp._src.master_weights import MasterWeightsState
+from jaxmp._src.stochastic_rounding import StochasticRoundingState
+
+# The states of jaxmp's wrappers between `loss_scaling` and the optimizer.
+PARAM_UPDATE_STATES = (MasterWeightsState, StochasticRoundingState, KahanSummationState)
 
 
 def _unwrap(opt_state: Any) -> Any:
@@ -117,17 +123,31 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     }
 
 
+def _unwrap_param_updates(state: Any) -> Any:
+    """`state` without jaxmp's wrappers (other than `master_weights`), decompressed."""
+    while True:
+        if isinstance(state, (StochasticRoundingState, KahanSummationState)):
+            state = state.inner_state
+        elif isinstance(state, CompressStateState):
+            state = decompressed(state)
+        else:
+            return state
+
+
 def inner_state(opt_state: Any) -> Any:
     """Returns the state of the optimizer that `loss_scaling` / `mixed_precision` wraps.
 
     The ``inner_state`` of the `LossScalingState` inside `opt_state` and, when
-    `master_weights` sits in between (`mixed_precision` with half-precision
-    params), that of its `MasterWeightsState`: the state of the optax optimizer
-    you passed, for the helpers that read it (`optax.contrib.schedule_free_eval_params`,
-    `optax.tree.get`).
+    `master_weights`, `stochastic_rounding`, `kahan_summation` or `compress_state`
+    sits in between (`mixed_precision` with half-precision params, or with
+    compressed moments), that of each of them, decompressed: the state of the
+    optax optimizer you passed, for the helpers that read it
+    (`optax.contrib.schedule_free_eval_params`, `optax.tree.get`). The state of
+    one of these wrappers without `loss_scaling` around it is looked through the
+    same way.
 
     Raises:
-      ValueError: as `get_loss_scale`.
+      ValueError: as `get_loss_scale`, for a state that is neither.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -135,9 +155,14 @@ def inner_state(opt_state: Any) -> Any:
       >>> type(jaxmp.inner_state(tx.init({"w": jnp.ones(2)}))[0]).__name__
       'ScaleByAdamState'
     """
-    state = loss_scaling_state(opt_state).inner_state
-    if isinstance(state, MasterWeightsState):
-        state = state.inner_state
+    wrappers = (*PARAM_UPDATE_STATES, CompressStateState)
+    state = _unwrap(opt_state)
+    if not isinstance(state, wrappers):
+        state = loss_scaling_state(opt_state).inner_state
+    while isinstance(state, wrappers):
+        state = _unwrap_param_updates(state)
+        if isinstance(state, MasterWeightsState):
+            state = state.inner_state
     return state
 
 
@@ -169,10 +194,12 @@ def schedule_free_eval_params(opt_state: Any, params: Any) -> Any:
     """
     from optax import contrib  # noqa: PLC0415 (optax.contrib is not imported by optax)
 
-    state = loss_scaling_state(opt_state).inner_state
+    state = _unwrap_param_updates(loss_scaling_state(opt_state).inner_state)
     if not isinstance(state, MasterWeightsState):
         return contrib.schedule_free_eval_params(state, params)
-    master = contrib.schedule_free_eval_params(state.inner_state, state.master)
+    master = contrib.schedule_free_eval_params(
+        _unwrap_param_updates(state.inner_state), state.master
+    )
     return jax.tree.map(
         lambda m, p: m.astype(p.dtype) if dtypes.is_floating(p) else p, master, params
     )

@@ -1,0 +1,301 @@
+"""`stochastic_rounding`: half-precision params updated without a master copy, unbiased.
+
+Round-to-nearest drops every update smaller than half the spacing of the param's dtype
+around it: a bfloat16 weight of 1.0 ignores any step below 2**-8 (0.0039), however often it
+is taken. Rounding up or down at random, with the probability of each in proportion to how
+close the exact value is, keeps the expected value exact (Gupta et al., 2015, "Deep Learning
+with Limited Numerical Precision"; Zamirai et al., 2020, "Revisiting BFloat16 Training",
+arXiv 2010.06192), so many small steps add up to the right sum on average.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.typing import ArrayLike, DTypeLike
+
+from jaxmp._src import dtypes
+from jaxmp._src import tree as tree_lib
+from jaxmp._src.loss_scaling import as_transformation
+
+_IMPL = "threefry2x32"
+# Folded into the seed, so that transforms seeded alike draw different numbers.
+TAG_PARAMS = 0x5A
+TAG_STATE = 0x57
+#: The dtypes `stochastic_round` rounds to.
+ROUNDED_DTYPES: tuple[np.dtype, ...] = (
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float16),
+    jnp.dtype(jnp.float8_e4m3fn),
+)
+
+
+class StochasticRoundingState(NamedTuple):
+    """State of `stochastic_rounding`.
+
+    Attributes:
+      key: the PRNG key of the next step, as raw threefry key data (so that it is
+        an ordinary array: checkpointed, sharded and replicated like any other);
+        ``jax.random.wrap_key_data(key, impl="threefry2x32")`` makes a key of it.
+      inner_state: the wrapped transformation's state.
+    """
+
+    key: jax.Array  # shape=(2,), dtype=uint32
+    inner_state: Any
+
+
+def check_seed(seed: object, *, arg: str = "seed") -> int:
+    """`seed` as an int; a TypeError naming `arg` unless it is an integer (not a bool)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"`{arg}` must be an int, got {seed!r}.")
+    return int(seed)
+
+
+def seed_key(seed: int, tag: int) -> jax.Array:
+    """Raw threefry key data for `seed`, with `tag` folded in: shape (2,), uint32."""
+    key = jax.random.fold_in(jax.random.key(seed, impl=_IMPL), tag)
+    return jax.random.key_data(key)
+
+
+def next_keys(key_data: jax.Array, count: int) -> tuple[jax.Array, list[jax.Array]]:
+    """Splits the state's key: the key data for the next step, and `count` keys for this one."""
+    key = jax.random.wrap_key_data(key_data, impl=_IMPL)
+    keys = jax.random.split(key, count + 1)
+    return jax.random.key_data(keys[0]), [keys[i + 1] for i in range(count)]
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection, each output bit depending on every input bit."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Random uint32 bits of `shape` for one key: a hash of each element's index and the key.
+
+    The key gives two 32-bit words (threefry, once); each element's bits are MurmurHash3's
+    finaliser applied twice to its row-major index mixed with them. These are plain integer
+    operations, which XLA fuses into the update that uses them: `jax.random.bits` runs
+    threefry as a loop of its own on CPU, and writes its bits to memory and reads them back
+    (8x the bytes of a float32 update, for one draw). The index is that of the whole array,
+    so a sharded array draws the bits the unsharded one would.
+    """
+    words = jax.random.bits(key, (2,), jnp.uint32)
+    index = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+    return _mix(_mix(index ^ words[0]) + words[1])
+
+
+def round_with_bits(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
+    """Rounds float32 `x` to `dtype` up or down at random, using uint32 `bits` of x's shape.
+
+    Values beyond the finite range of `dtype` are clipped to its largest finite value (never
+    rounded to inf); NaN stays NaN. Each element is rounded to one of the two neighbours of
+    `dtype` around it, the upper one with probability ``(x - lower) / (upper - lower)``.
+    """
+    dtype = jnp.dtype(dtype)
+    fi = jnp.finfo(dtype)
+    limit = np.float32(fi.max)
+    x = jnp.clip(x, -limit, limit)
+    u32 = jnp.dtype(jnp.uint32)
+    if dtype == jnp.dtype(jnp.bfloat16):
+        # bfloat16 is float32 without its low 16 bits: adding 16 random bits to the
+        # magnitude and truncating rounds it up with probability (low bits) / 2**16,
+        # exactly. The clip keeps the carry out of the exponent's top value (inf).
+        i = jax.lax.bitcast_convert_type(x, u32)
+        i = (i + (bits >> np.uint32(16))) & np.uint32(0xFFFF0000)
+        rounded = jax.lax.bitcast_convert_type(i, jnp.float32)
+        # A NaN's payload bits could carry into an inf: keep the NaN.
+        return jnp.where(jnp.isnan(x), x, rounded).astype(dtype)
+    # float16 and float8: the spacing of `dtype` around x is 2**k, k the exponent of x (no
+    # less than the smallest normal one) minus the mantissa bits; x / 2**k is exact, and
+    # its fraction is the probability of rounding up.
+    exponent = (jax.lax.bitcast_convert_type(x, u32) >> np.uint32(23)) & np.uint32(0xFF)
+    k = jnp.maximum(exponent.astype(jnp.int32) - 127, fi.minexp) - fi.nmant
+    spacing = jax.lax.bitcast_convert_type(((k + 127) << 23).astype(u32), jnp.float32)
+    inverse = jax.lax.bitcast_convert_type(((127 - k) << 23).astype(u32), jnp.float32)
+    t = x * inverse
+    low = jnp.floor(t)
+    uniform = (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+    up = (uniform < t - low).astype(jnp.float32)
+    return ((low + up) * spacing).astype(dtype)
+
+
+def _rounded_dtype(dtype: Any, *, arg: str) -> np.dtype:
+    try:
+        normalised = jnp.dtype(dtype)
+    except TypeError:
+        normalised = None
+    if normalised is None or normalised not in ROUNDED_DTYPES:
+        names = ", ".join(d.name for d in ROUNDED_DTYPES)
+        raise ValueError(f"`{arg}` must be one of {names}, got {dtype!r}.")
+    return normalised
+
+
+def stochastic_round(x: ArrayLike, dtype: DTypeLike, key: jax.Array) -> jax.Array:
+    """Rounds `x` to `dtype` stochastically: unbiased, ``E[result] == x``.
+
+    Each element becomes one of the two values of `dtype` around it (computed from
+    `x` in float32), the upper one with probability ``(x - lower) / (upper -
+    lower)``. So the mean of many roundings tends to `x`, where round-to-nearest
+    always gives the same, biased, value. Values beyond the finite range of `dtype`
+    become its largest finite value (never inf); NaN stays NaN.
+
+    Args:
+      x: a floating-point array.
+      dtype: bfloat16, float16 or float8_e4m3fn.
+      key: a PRNG key (typed, or raw key data as `jax.random.PRNGKey` makes).
+
+    Returns:
+      An array of `dtype` with the shape of `x`.
+
+    Raises:
+      ValueError: for another `dtype`.
+      TypeError: if `x` is not a floating-point array.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> x = jnp.full(10_000, 1 + 2.0**-9)  # a quarter of the way from 1 to 1 + 2**-7
+      >>> r = jaxmp.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
+      >>> sorted(set(r.tolist())), round(float(r.astype(jnp.float32).mean()), 3)
+      ([1.0, 1.0078125], 1.002)
+      >>> x.astype(jnp.bfloat16)[0]  # round-to-nearest
+      Array(1, dtype=bfloat16)
+    """
+    dtype = _rounded_dtype(dtype, arg="dtype")
+    x = jnp.asarray(x)
+    if not dtypes.is_floating(x):
+        raise TypeError(f"`x` must be a floating-point array, got dtype {x.dtype}.")
+    return round_with_bits(x.astype(jnp.float32), dtype, random_bits(key, jnp.shape(x)))
+
+
+def is_rounded_param(x: Any) -> bool:
+    """A float16 or bfloat16 array: a param that the update must round."""
+    return dtypes.is_floating(x) and jnp.dtype(x.dtype) in dtypes.HALF_DTYPES
+
+
+def widen_floats(tree: Any) -> Any:
+    """Floating array leaves of less than 32 bits as float32; other leaves as they are."""
+    return jax.tree.map(
+        lambda x: x.astype(dtypes.compute_dtype_of(x)) if dtypes.is_floating(x) else x, tree
+    )
+
+
+def other_update(update: Any, param: Any) -> Any:
+    """The update of a param that is not rounded here: in its dtype, zeros if not trained.
+
+    Float32 and wider params take the inner update in their own dtype; complex ones too;
+    Python float leaves (an Equinox module's fields) take it as it is; integer and boolean
+    params are not trained (zeros of their dtype); other leaves get None.
+    """
+    if update is None:
+        return None
+    if isinstance(param, (float, complex)) and not isinstance(param, bool):
+        return update
+    if dtypes.is_floating(param) or tree_lib.is_complex(param):
+        return jnp.asarray(update).astype(param.dtype)
+    if isinstance(param, (jax.Array, np.ndarray, np.generic, int)):
+        return jnp.zeros_like(param)
+    return None
+
+
+def require_params(params: Any, name: str) -> None:
+    if params is None:
+        raise ValueError(
+            f"`params` must be passed to the update of jaxmp.{name} (and of "
+            "jaxmp.mixed_precision with half-precision params): "
+            "call `tx.update(grads, opt_state, params)`."
+        )
+
+
+def stochastic_rounding(
+    inner: optax.GradientTransformation, *, seed: int = 0
+) -> optax.GradientTransformationExtraArgs:
+    """Runs `inner` in float32 and rounds the new half-precision params stochastically.
+
+    For params stored in bfloat16 or float16 and no master copy: each step, the new
+    value ``param + update`` is computed in float32 and rounded to the param's dtype
+    up or down at random (`stochastic_round`), so that it is right on average.
+    Round-to-nearest loses every update below half a unit in the last place (a
+    bfloat16 weight of 1.0 ignores steps below 0.002); stochastic rounding moves it
+    by a whole unit with the matching probability, and many small steps add up.
+    Params then take 2 bytes each instead of the 2 + 4 of a float32 master copy.
+
+    The returned updates are in each param's dtype, such that
+    ``optax.apply_updates(params, updates)`` (or ``equinox.apply_updates``) gives
+    the rounded value exactly whenever it is within a factor of 2 of the param
+    (`tree.update_to`: any step that moves a param by less than half its
+    magnitude), and never inf. Float32 and wider params are updated as `inner` says.
+
+    The PRNG key is in the state (`StochasticRoundingState.key`, raw key data):
+    split every step, checkpointed with the state, and the same on every device
+    (it is replicated, and the random bits of a sharded param are those of the
+    whole array, so replicas of a param round alike). A step that
+    `jaxmp.loss_scaling` skips keeps the key, as it keeps the rest of the state.
+
+    `inner` is initialised with the params widened to float32 (its moments are then
+    float32, like the updates it computes; see `jaxmp.compress_state` to store them
+    in fewer bytes).
+
+    Args:
+      inner: the optax transformation computing the updates.
+      seed: the seed of the PRNG key.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` with a `StochasticRoundingState`.
+      `update` requires `params`.
+
+    Raises:
+      TypeError: for a bad `inner` or `seed`; ValueError at trace time, if `update`
+        is called without `params`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.stochastic_rounding(optax.sgd(1e-4))
+      >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
+      >>> state = tx.init(params)
+      >>> step = jax.jit(lambda p, s: tx.update({"w": jnp.ones(1000, jnp.bfloat16)}, s, p))
+      >>> for _ in range(100):
+      ...     updates, state = step(params, state)
+      ...     params = optax.apply_updates(params, updates)
+      >>> round(float(params["w"].astype(jnp.float32).mean()), 2)  # 1 - 100 * 1e-4
+      0.99
+    """
+    inner = as_transformation(inner)
+    seed = check_seed(seed)
+
+    def init_fn(params):
+        return StochasticRoundingState(
+            key=seed_key(seed, TAG_PARAMS), inner_state=inner.init(widen_floats(params))
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        require_params(params, "stochastic_rounding")
+        updates = widen_floats(updates)
+        inner_updates, inner_state = inner.update(
+            updates, state.inner_state, widen_floats(params), **extra_args
+        )
+        p_leaves, p_def = jax.tree.flatten(params)
+        u_leaves = p_def.flatten_up_to(inner_updates)  # a None update covers its subtree
+        rounded = [i for i, p in enumerate(p_leaves) if is_rounded_param(p)]
+        key, keys = next_keys(state.key, len(rounded))
+        out = [other_update(u, p) for u, p in zip(u_leaves, p_leaves, strict=True)]
+        for i, leaf_key in zip(rounded, keys, strict=True):
+            param, update = p_leaves[i], u_leaves[i]
+            if update is None:
+                continue
+            new = param.astype(jnp.float32) + jnp.asarray(update).astype(jnp.float32)
+            target = round_with_bits(new, param.dtype, random_bits(leaf_key, param.shape))
+            out[i] = tree_lib.update_to(target.astype(jnp.float32), param)[1]
+        return jax.tree.unflatten(p_def, out), StochasticRoundingState(
+            key=key, inner_state=inner_state
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
