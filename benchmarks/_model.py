@@ -59,6 +59,12 @@ CONFIGS = {
     "gpu": Config(
         vocab_size=256, seq_len=1024, d_model=1024, num_heads=16, num_layers=8, batch_size=32
     ),
+    # Deep and unscanned (12 parameter leaves per block, 293 leaves): compile time as the
+    # model grows (`gpu_benchmark.py`'s deep rows); "tiny_deep" is its CPU smoke test.
+    "gpu_deep": Config(
+        vocab_size=256, seq_len=512, d_model=512, num_heads=8, num_layers=24, batch_size=32
+    ),
+    "tiny_deep": Config(seq_len=32, d_model=32, num_heads=2, num_layers=4, batch_size=2),
 }
 
 

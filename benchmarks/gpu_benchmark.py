@@ -6,7 +6,12 @@ tokens/s is ``batch * seq_len / median step time`` and MFU is the compiled step'
 (``cost_analysis()["flops"]``) per second over the peak (``--peak-tflops``, default 989: the
 dense bfloat16/float16 tensor-core peak of an H100/H200 SXM; float32 rows use the same peak).
 The temporaries of each compiled step (``memory_analysis().temp_size_in_bytes``) and the
-update-traffic table of `update_cost.py` are measured there too.
+update-traffic table of `update_cost.py` are measured there too. Cost at real model sizes:
+two rows train a deep unscanned model (24 layers, 294 parameter leaves) in float32 and in
+mixed_float16 with jaxmp, and three rows compile the optimizer update alone over 2,000
+leaves (`compile_cost.py`'s programs: plain `optax.adam`, `jaxmp.loss_scaling(adam)` and
+`jaxmp.mixed_precision` with float16 params); their "compile vs ref" column is the ratio of
+lower + compile time to the first row of their group.
 
 Needs only jax, flax, optax, numpy and jaxmp (jmp is used when installed). It limits itself to
 ``--budget-s`` seconds (default 420), rows that do not fit are reported as skipped.
@@ -29,17 +34,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _hlo  # noqa: E402
 import _model  # noqa: E402
+import compile_cost  # noqa: E402
 import jax  # noqa: E402
 import update_cost  # noqa: E402
 
-# (label, approach, precision), most important first (the time budget may cut the last);
-# the first row is the reference for the speed-up and temporaries ratios.
+# (label, approach, precision, config), most important first (the time budget may cut the
+# last); the first row of each config is the reference for its speed-up and ratios.
 ROWS = [
-    ("float32, optax.adam", "optax", "float32"),
-    ("mixed_float16, jaxmp", "jaxmp", "mixed_float16"),
-    ("mixed_bfloat16, jaxmp", "jaxmp", "mixed_bfloat16"),
-    ("float32, jaxmp", "jaxmp", "float32"),
-    ("mixed_float16, hand-written", "manual", "mixed_float16"),
+    ("float32, optax.adam", "optax", "float32", "gpu"),
+    ("mixed_float16, jaxmp", "jaxmp", "mixed_float16", "gpu"),
+    ("mixed_bfloat16, jaxmp", "jaxmp", "mixed_bfloat16", "gpu"),
+    ("float32, jaxmp", "jaxmp", "float32", "gpu"),
+    ("mixed_float16, hand-written", "manual", "mixed_float16", "gpu"),
+    ("deep: float32, optax.adam", "optax", "float32", "gpu_deep"),
+    ("deep: mixed_float16, jaxmp", "jaxmp", "mixed_float16", "gpu_deep"),
+]
+# The update alone over many leaves: (label, `compile_cost.UPDATE_APPROACHES` name).
+COMPILE_ROWS = [
+    ("update: optax.adam", "optax.adam"),
+    ("update: jaxmp.loss_scaling(adam)", "jaxmp.loss_scaling(adam)"),
+    ("update: mixed_precision p=f16", "jaxmp.mixed_precision(adam, 'p=f16,c=f16')"),
 ]
 
 
@@ -70,14 +84,24 @@ def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, A
     )
 
 
+def compile_row(name: str, leaves: int) -> dict[str, Any]:
+    """Lower + compile seconds of one update over `leaves` leaves (`compile_cost.py`)."""
+    (dtype, build) = next((d, b) for n, d, b in compile_cost.UPDATE_APPROACHES if n == name)
+    result = compile_cost.compile_update(build, dtype, leaves)
+    return dict(compile_s=result["total"])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--tiny", action="store_true", help="tiny model and three rows, for a CPU smoke test"
+        "--tiny", action="store_true", help="tiny models and few leaves, for a CPU smoke test"
     )
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s for MFU")
     parser.add_argument("--budget-s", type=float, default=420.0, help="self-imposed time limit")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per row (at most)")
+    parser.add_argument(
+        "--compile-leaves", type=int, default=2000, help="leaves of the update compile rows"
+    )
     parser.add_argument(
         "--matmul-precision",
         default=None,
@@ -89,46 +113,65 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     deadline = start + args.budget_s
-    config = _model.CONFIGS["tiny" if args.tiny else "gpu"]
+    configs = {
+        "gpu": _model.CONFIGS["tiny" if args.tiny else "gpu"],
+        "gpu_deep": _model.CONFIGS["tiny_deep" if args.tiny else "gpu_deep"],
+    }
+    compile_leaves = 20 if args.tiny else args.compile_leaves
     steps = 3 if args.tiny else args.steps
-    tokens = _model.batch(config)
+    tokens = {name: _model.batch(config) for name, config in configs.items()}
     print(_hlo.machine())
-    print(f"Model: {_model.num_params(config) / 1e6:.1f}M params, {config}")
+    for name, config in configs.items():
+        print(f"Model {name}: {_model.num_params(config) / 1e6:.1f}M params, {config}")
     if args.matmul_precision:
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     print(f"float32 matmul precision: {jax.config.jax_default_matmul_precision or 'JAX default'}")
 
     rows_to_run = [r for r in ROWS if not args.tiny or r[2] != "float32" or r[1] == "optax"]
     rows_to_run = [r for r in rows_to_run if not args.tiny or r[1] != "manual"]
-    results = {}
-    for i, (label, approach, precision) in enumerate(rows_to_run):
+    results: dict[str, Any] = {}
+    extra = len(COMPILE_ROWS) + (0 if args.no_update_table else 1)
+    for i, (label, approach, precision, config_name) in enumerate(rows_to_run):
         # Leave each remaining row an equal share of the budget (compile included).
-        left = len(rows_to_run) - i + (0 if args.no_update_table else 1)
+        left = len(rows_to_run) - i + extra
         share = (deadline - time.perf_counter()) / left
         if share < (1 if args.tiny else 20):
             results[label] = None
             continue
         row_deadline = time.perf_counter() + share
         try:
-            results[label] = run_row(approach, precision, config, tokens, steps, row_deadline)
+            results[label] = run_row(
+                approach, precision, configs[config_name], tokens[config_name], steps, row_deadline
+            )
         except Exception as e:  # noqa: BLE001 (report, e.g., out of memory, and go on)
             results[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+    for i, (label, name) in enumerate(COMPILE_ROWS):
+        left = len(COMPILE_ROWS) - i + (0 if args.no_update_table else 1)
+        if (deadline - time.perf_counter()) / left < (1 if args.tiny else 30):
+            results[label] = None
+            continue
+        try:
+            results[label] = compile_row(name, compile_leaves)
+        except Exception as e:  # noqa: BLE001
+            results[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
 
-    tokens_per_step = config.batch_size * config.seq_len
-    ref = results.get(ROWS[0][0])
+    refs = {}
+    for label, _, _, config_name in rows_to_run:
+        refs.setdefault(config_name, label)
     rows = []
-    for label, _, _ in rows_to_run:
+    for label, _, _, config_name in rows_to_run:
+        config = configs[config_name]
+        ref = results.get(refs[config_name])
         r = results[label]
-        if r is None:
-            rows.append([label, "skipped (time budget)", "", "", "", "", "", ""])
+        if r is None or "error" in r:
+            rows.append([label, "skipped (time budget)" if r is None else r["error"]] + [""] * 7)
             continue
-        if "error" in r:
-            rows.append([label, r["error"], "", "", "", "", "", ""])
-            continue
-        tps = tokens_per_step / r["step_s"]
+        ok = ref is not None and "error" not in ref
+        tps = config.batch_size * config.seq_len / r["step_s"]
         mfu = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)
-        speedup = ref["step_s"] / r["step_s"] if ref and "error" not in ref else float("nan")
-        temp_ratio = r["temp"] / ref["temp"] if ref and "error" not in ref else float("nan")
+        speedup = ref["step_s"] / r["step_s"] if ok else float("nan")
+        temp_ratio = r["temp"] / ref["temp"] if ok else float("nan")
+        compile_ratio = r["compile_s"] / ref["compile_s"] if ok else float("nan")
         rows.append(
             [
                 label,
@@ -138,12 +181,25 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['step_s'] * 1e3:.1f} ({r['steps']})",
                 f"{r['temp'] / 1e9:.2f} ({temp_ratio:.2f})",
                 f"{r['compile_s']:.0f}",
+                f"{compile_ratio:.2f}",
                 f"{r['loss']:.3f}",
             ]
         )
+    ref = results.get(COMPILE_ROWS[0][0])
+    for label, _ in COMPILE_ROWS:
+        r = results[label]
+        if r is None or "error" in r:
+            rows.append([label, "skipped (time budget)" if r is None else r["error"]] + [""] * 7)
+            continue
+        ok = ref is not None and "error" not in ref
+        ratio = r["compile_s"] / ref["compile_s"] if ok else float("nan")
+        blank = ["", "", "", "", ""]
+        rows.append([f"{label} ({compile_leaves} leaves)", *blank, f"{r['compile_s']:.1f}"])
+        rows[-1] += [f"{ratio:.2f}", ""]
     print(
-        f"\nTrain step: {tokens_per_step} tokens per step, MFU against "
-        f"{args.peak_tflops:g} TFLOP/s, FLOPs from the compiled step's cost analysis\n"
+        f"\nTrain step: tokens/s, MFU against {args.peak_tflops:g} TFLOP/s (FLOPs from the "
+        "compiled step's cost analysis), compile = lower + compile seconds; ratios to the "
+        "first row of each group\n"
     )
     header = [
         "precision, approach",
@@ -153,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         "ms/step (n)",
         "temp GB (vs fp32)",
         "compile s",
+        "compile vs ref",
         "loss",
     ]
     print(_hlo.table(header, rows))
