@@ -17,6 +17,14 @@ from jaxmp._src.casting import cast_to_full, cast_to_half, cast_tree
 from jaxmp._src.compress_state import CompressedLeaf, CompressStateState, compress_state
 from jaxmp._src.distributed import pmean_in_float32, psum_in_float32, state_shardings
 from jaxmp._src.dtypes import dtype_to_names, half_dtype
+from jaxmp._src.fp8 import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Float8State,
+    MXFP8BlockScaling,
+)
+from jaxmp._src.fp8_autocast import Float8Autocast
 from jaxmp._src.grad import filter_value_and_grad, value_and_grad
 from jaxmp._src.kahan_summation import KahanSummationState, kahan_summation
 from jaxmp._src.loss_scale import (
@@ -63,6 +71,12 @@ __all__ = (
     "autocast",
     "autocast_jaxpr",
     "float32_region",
+    "DelayedScaling",
+    "Float8Autocast",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Float8State",
+    "MXFP8BlockScaling",
     "DynamicLossScale",
     "KahanSummationState",
     "LossScale",

@@ -540,30 +540,42 @@ class Autocast:
         self._jitted = jax.jit(self._run, static_argnums=(0, 1))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call_with(None, args, kwargs)
+
+    def _call_with(self, extra: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Calls with `extra`, arrays the rules read besides the arguments (FP8 state)."""
         graph = interpret.split_graph_nodes((args, kwargs))
         if graph is not None:
             # NNX modules (BatchNorm statistics, the Rngs counters) are mutated in place:
             # call with their state and write the updated variables back, as `nnx.jit` does.
             nodes, others, state, write_back = graph
-            out, new_leaves = self._call(True, (nodes, others, state), {})
+            out, new_leaves = self._call(True, (nodes, others, state), {}, extra)
             write_back(new_leaves)
             return out
-        return self._call(False, args, kwargs)
+        return self._call(False, args, kwargs, extra)
 
-    def _call(self, graph: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call(
+        self, graph: bool, args: tuple[Any, ...], kwargs: dict[str, Any], extra: Any = None
+    ) -> Any:
         spec, dynamic = interpret.split_args(args, kwargs)
-        if not any(isinstance(x, compat.Tracer) for x in dynamic) and spec.hashable():
-            # Called outside any transformation: trace, re-interpret and compile once per
-            # argument signature.
-            return self._jitted(graph, spec, *dynamic)
-        return self._run(graph, spec, *dynamic)
+        if not any(isinstance(x, compat.Tracer) for x in (*dynamic, *jax.tree.leaves(extra))):
+            if spec.hashable():
+                # Called outside any transformation: trace, re-interpret and compile once
+                # per argument signature.
+                return self._jitted(graph, spec, extra, *dynamic)
+        return self._run(graph, spec, extra, *dynamic)
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> compat.ClosedJaxpr:
         """Returns the jaxpr autocast produces for these arguments (see `autocast_jaxpr`)."""
         spec, dynamic = interpret.split_args(args, kwargs)
-        return jax.make_jaxpr(functools.partial(self._run, False, spec))(*dynamic)
+        return jax.make_jaxpr(functools.partial(self._run, False, spec, None))(*dynamic)
 
-    def _run(self, graph: bool, spec: interpret.ArgSpec, *dynamic: Any) -> Any:
+    def _rules(self, ctx: _Context, extra: Any) -> interpret.Rules:
+        """The rule set of one call (`jaxmp._src.fp8_autocast` adds FP8 matmuls)."""
+        del extra
+        return _AutocastRules(ctx)
+
+    def _run(self, graph: bool, spec: interpret.ArgSpec, extra: Any, *dynamic: Any) -> Any:
         # With `graph`, the outputs are `(out, new_leaves)`: the state leaves the call
         # changed (None if unchanged).
         traced = interpret.trace_call(self._fun, graph, spec, dynamic)
@@ -573,7 +585,7 @@ class Autocast:
             low_ops=self.low_precision_ops,
             float32_ops=self.float32_ops,
         )
-        interp = interpret.Interpreter(_AutocastRules(ctx))
+        interp = interpret.Interpreter(self._rules(ctx, extra))
         values = interp.eval_jaxpr(closed.jaxpr, closed.consts, [_Value(x, True) for x in dynamic])
         outs = [v.value for v in values]
         n = traced.num_out
@@ -600,6 +612,8 @@ def autocast(
     *,
     low_precision_ops: Iterable[str | compat.Primitive] | None = None,
     float32_ops: Iterable[str | compat.Primitive] | None = None,
+    fp8: Any = None,
+    fp8_exclude: str | Iterable[str] | None = None,
 ) -> Autocast:
     """Runs an unmodified function with op-level mixed precision (like ``torch.autocast``).
 
@@ -642,15 +656,25 @@ def autocast(
         ``jaxmp.LOW_PRECISION_OPS | {...}`` or shrink it with ``- {...}``.
       float32_ops: primitives to run in float32, replacing `FLOAT32_OPS`. A primitive named
         in one of the two sets is removed from the other's default.
+      fp8: an FP8 recipe (`Float8CurrentScaling`, `DelayedScaling`, `Float8BlockScaling`,
+        `MXFP8BlockScaling`): every ``dot_general`` with floating operands (and, with a
+        per-tensor recipe, every ``conv_general_dilated``) then runs in FP8, forward and
+        backward, its result in the compute dtype (see the FP8 guide). The function is
+        then a `Float8Autocast`, whose ``fp8_init`` and ``with_fp8_state`` handle the state
+        of `DelayedScaling`.
+      fp8_exclude: a regex (or several) fully matching the name stacks of the matmuls to
+        keep out of FP8, which then follow the policy: the Linen module path with the top
+        module's class first (``"TransformerLM/head"``, ``".*/head"``), or the names of
+        ``jax.named_scope`` blocks.
 
     Returns:
       A function with the signature of `fun`.
 
     Raises:
-      TypeError: if `fun` is not callable, `policy` is neither a policy nor a string, or an
-        op set is not a collection of names and primitives.
-      ValueError: for an invalid policy string, an unknown primitive name, or a primitive
-        in both op sets.
+      TypeError: if `fun` is not callable, `policy` is neither a policy nor a string, an
+        op set is not a collection of names and primitives, or `fp8` is not a recipe.
+      ValueError: for an invalid policy string, an unknown primitive name, a primitive
+        in both op sets, or an invalid regex in `fp8_exclude`.
       NotImplementedError: when called, for a higher-order primitive autocast has no rule
         for (the message names it and the way out).
 
@@ -670,6 +694,15 @@ def autocast(
         raise TypeError(f"`fun` must be callable, got {fun!r}.")
     policy = policy_lib.as_policy(policy, arg="policy")
     low, f32 = _resolve_ops(low_precision_ops, float32_ops)
+    if fp8 is not None or fp8_exclude is not None:
+        from jaxmp._src import fp8 as fp8_lib
+        from jaxmp._src import fp8_autocast
+
+        if fp8 is None:
+            raise TypeError("`fp8_exclude` needs an FP8 recipe: pass `fp8=` too.")
+        recipe = fp8_lib.check_recipe(fp8)
+        exclude = fp8_autocast.compile_exclude(fp8_exclude)
+        return fp8_autocast.Float8Autocast(fun, policy, low, f32, recipe, exclude)
     return Autocast(fun, policy, low, f32)
 
 

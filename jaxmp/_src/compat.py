@@ -51,6 +51,7 @@ __all__ = [
     "scan_counts",
     "source_context",
     "user_frames",
+    "varying_axes",
 ]
 
 #: Every JAX name jaxmp relies on that is not part of JAX's stable public API: its name here
@@ -251,6 +252,16 @@ def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
         (frame.file_name, int(frame.start_line), frame.function_name)
         for frame in resolve("user_frames")(traceback)
     ]
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The mesh axes `x` varies along inside ``jax.shard_map``; empty elsewhere.
+
+    The ``vma`` ("varying manual axes") of the value's type, ``jax.typeof(x).vma``: a
+    frozenset of axis names in jax 0.8 to 0.12 (empty outside ``shard_map`` and under
+    ``check_vma=False``).
+    """
+    return frozenset(getattr(jax.typeof(x), "vma", None) or ())
 
 
 def lowered_primitive_names() -> set[str]:

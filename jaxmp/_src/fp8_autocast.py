@@ -1,0 +1,327 @@
+"""FP8 under `jaxmp.autocast`: a rule set over the shared re-interpretation core.
+
+``jaxmp.autocast(fun, policy, fp8=recipe)`` evaluates `fun`'s jaxpr with autocast's rules
+(`jaxmp._src.autocast`), except that every ``dot_general`` (and, with a per-tensor recipe,
+every ``conv_general_dilated``) whose operands are floating runs in FP8
+(`jaxmp._src.fp8.fp8_dot_general`), its result in the policy's compute dtype. Matmuls whose
+name stack matches ``fp8_exclude``, or inside `jaxmp.float32_region`, follow the policy.
+
+The state of `jaxmp.DelayedScaling` is one entry per FP8 matmul of the program, keyed by the
+matmul's position (the indices of the equations it is nested in). Inside a ``scan`` the
+entries have the loop's length as leading axis and each iteration gets its own slice
+(`interpret.Rules.loop_inputs`), so that a scanned stack of layers keeps one history per
+layer and the backward pass of each layer returns its own. ``jit`` equations are evaluated
+in place (two calls of one jitted function are two matmuls with two states). Matmuls inside
+a ``while_loop`` or a ``custom_jvp`` function have no state of their own (a loop of unknown
+length; a custom rule cannot differentiate with respect to a closed-over state) and use
+current scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxmp._src import autocast as autocast_lib
+from jaxmp._src import compat, fp8, interpret
+from jaxmp._src import policy as policy_lib
+
+#: Primitives run in FP8 (convolutions with a per-tensor recipe only).
+FP8_OPS = frozenset({"dot_general", "conv_general_dilated"})
+
+# Ops through which a value stays "a function argument" for `Float8BlockScaling`'s weights:
+# a parameter cast to the compute dtype or reshaped is still a weight.
+_LAYOUT_OPS = frozenset(
+    {"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"}
+)
+# Primitives whose sub-jaxprs get no delayed-scaling state (see the module docs).
+_STATELESS_REGIONS = frozenset({"while", "custom_jvp_call"})
+
+
+def compile_exclude(exclude: Any) -> tuple[re.Pattern[str], ...]:
+    """`fp8_exclude` as compiled regexes; a ValueError/TypeError naming the argument."""
+    if exclude is None:
+        return ()
+    patterns = [exclude] if isinstance(exclude, str) else exclude
+    if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(
+            f"`fp8_exclude` must be a regex or a sequence of regexes (strings), got {exclude!r}."
+        )
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as e:
+            raise ValueError(
+                f"`fp8_exclude` must hold valid regexes, got {pattern!r} ({e})."
+            ) from None
+    return tuple(compiled)
+
+
+class _Discover:
+    """Marks a call that only finds the FP8 matmuls (`Float8Autocast.fp8_init`)."""
+
+    def __init__(self) -> None:
+        self.rules: _Fp8Rules | None = None
+
+
+class _Fp8Rules(autocast_lib._AutocastRules):
+    """Autocast's rules, with FP8 for the matmuls (see the module docs)."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        recipe: Any,
+        exclude: tuple[re.Pattern[str], ...],
+        state: fp8.Float8State | None,
+        discover: bool,
+    ):
+        super().__init__(ctx)
+        self.recipe = recipe
+        self.exclude = exclude
+        self.discover = discover
+        # Entries of the state visible here: (amax_history, scale) per key.
+        self._view: dict[str, tuple[Any, Any]] = {}
+        if state is not None:
+            self._view = {k: (state.amax_history[k], state.scale[k]) for k in state.amax_history}
+        self._path: list[int] = []  # indices of the equations being recursed into
+        self._lengths: list[int] = []  # lengths of the scans being recursed into
+        self._no_state = 0  # depth of `_STATELESS_REGIONS`
+        self._weights: dict[int, Any] = {}  # values derived from arguments by layout ops
+        #: With `discover`: ``(key, loop lengths, name)`` of each stateful FP8 matmul.
+        self.sites: list[tuple[str, tuple[int, ...], str]] = []
+
+    # -- Control flow: keys, per-iteration state.
+
+    def _key(self, index: int) -> str:
+        return "s" + "_".join(str(i) for i in (*self._path, index))
+
+    def loop_inputs(self, eqn: Any) -> Any:
+        if not self.recipe.stateful or self.discover or self._no_state:
+            return None
+        prefix = "s" + "_".join(str(i) for i in self._path) + "_"
+        inside = {k: v for k, v in self._view.items() if k.startswith(prefix)}
+        return inside or None
+
+    @contextlib.contextmanager
+    def in_iteration(self, inputs: Any) -> Iterator[None]:
+        saved = self._view
+        if inputs:
+            self._view = {**saved, **inputs}
+        try:
+            yield
+        finally:
+            self._view = saved
+
+    def apply(
+        self, frame: Any, index: int, eqn: Any, vals: list[Any], interp: Any
+    ) -> list[Any] | None:
+        name = eqn.primitive.name
+        region = frame.regions[index]
+        if name in FP8_OPS and name in self.ctx.low_ops and not region:
+            outs = self._fp8(index, eqn, vals, interp)
+            if outs is not None:
+                return outs
+        if not compat.has_subjaxprs(eqn.params):
+            outs = super().apply(frame, index, eqn, vals, interp)
+            if name in _LAYOUT_OPS and outs is not None:
+                self._track_weights(vals, outs)
+            return outs
+        self._path.append(index)
+        self._lengths.append(int(eqn.params["length"]) if name == "scan" else 0)
+        stateless = name in _STATELESS_REGIONS
+        self._no_state += stateless
+        try:
+            if self.recipe.stateful and name in ("jit", "pjit") and not region:
+                return interp.inline(eqn, vals)
+            return super().apply(frame, index, eqn, vals, interp)
+        finally:
+            self._path.pop()
+            self._lengths.pop()
+            self._no_state -= stateless
+
+    # -- FP8 matmuls.
+
+    def _is_weight(self, v: Any) -> bool:
+        return bool(v.weak) or id(v.value) in self._weights
+
+    def _track_weights(self, vals: list[Any], outs: list[Any]) -> None:
+        floats = [v for v in vals if autocast_lib._is_float(v.value)]
+        if floats and all(self._is_weight(v) for v in floats):
+            for out in outs:
+                self._weights[id(out.value)] = out.value  # kept alive: ids stay unique
+
+    def _fp8(self, index: int, eqn: Any, vals: list[Any], interp: Any) -> list[Any] | None:
+        name = eqn.primitive.name
+        lhs, rhs = vals[0], vals[1]
+        if len(vals) != 2 or not all(autocast_lib._is_float(v.value) for v in (lhs, rhs)):
+            return None
+        if name == "conv_general_dilated" and not self.recipe.per_tensor:
+            return None  # block scaling of a convolution's window: not sensible here
+        location = interp.location(eqn)
+        where = "/".join(part for kind, part in location.name_stack if kind == "scope")
+        if any(p.fullmatch(where) for p in self.exclude):
+            return None
+        dtype = self.ctx.compute_dtype
+        x = autocast_lib._cast(lhs.value, dtype)
+        w = autocast_lib._cast(rhs.value, dtype)
+        site = self._site(index, where)
+        if name == "dot_general":
+            out = fp8.fp8_dot_general(
+                x,
+                w,
+                eqn.params["dimension_numbers"],
+                self.recipe,
+                dtype,
+                weights=(self._is_weight(lhs), self._is_weight(rhs)),
+                site=site,
+            )
+        else:
+            params = {**eqn.params, "preferred_element_type": jnp.dtype(jnp.float32)}
+
+            def conv(a: Any, b: Any) -> Any:
+                return compat.bind(eqn, [a, b], params)[0]
+
+            out = fp8.fp8_conv(x, w, conv, self.recipe, dtype, site=site)
+        return [autocast_lib._Value(out, False)]
+
+    def _site(self, index: int, where: str) -> tuple[Any, Any] | None:
+        """The delayed-scaling state of the matmul at `index`, or None (stateless)."""
+        if not self.recipe.stateful or self._no_state:
+            return None
+        key = self._key(index)
+        length = self.recipe.history_len
+        if self.discover:
+            self.sites.append((key, tuple(n for n in self._lengths if n), where))
+            return fp8.initial_site_state((), length)
+        if key not in self._view:
+            raise ValueError(
+                f"the FP8 state has no entry {key!r} for the matmul at {where or '<top>'!r}: "
+                "create the state with `fp8_init` for this function and these argument "
+                "shapes (the program differs from the one it was made for)."
+            )
+        history, scale = self._view[key]
+        if tuple(history.shape) != (fp8.NUM_ROLES, length):
+            raise ValueError(
+                f"the FP8 state's entry {key!r} has an amax history of shape "
+                f"{tuple(history.shape)} here, expected {(fp8.NUM_ROLES, length)} "
+                f"(history_len={length}); create the state with `fp8_init` of this recipe."
+            )
+        return history, scale
+
+
+class Float8Autocast(autocast_lib.Autocast):
+    """The function `jaxmp.autocast` returns with an FP8 recipe.
+
+    Call it like the wrapped function; with a stateful recipe (`jaxmp.DelayedScaling`) call
+    ``with_fp8_state(state)`` instead, after creating the state with `fp8_init`.
+
+    Attributes:
+      fp8: the recipe.
+      fp8_exclude: the compiled regexes of the name stacks kept out of FP8.
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        policy: policy_lib.Policy,
+        low_precision_ops: frozenset[str],
+        float32_ops: frozenset[str],
+        recipe: Any,
+        exclude: tuple[re.Pattern[str], ...],
+    ):
+        super().__init__(fun, policy, low_precision_ops, float32_ops)
+        self.fp8 = recipe
+        self.fp8_exclude = exclude
+
+    def _rules(self, ctx: Any, extra: Any) -> interpret.Rules:
+        if isinstance(extra, _Discover):
+            extra.rules = _Fp8Rules(ctx, self.fp8, self.fp8_exclude, None, discover=True)
+            return extra.rules
+        return _Fp8Rules(ctx, self.fp8, self.fp8_exclude, extra, discover=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fp8.stateful:
+            raise TypeError(
+                f"{self!r} uses a stateful FP8 recipe ({type(self.fp8).__name__}): create its "
+                "state with `fp8_init(*args)` and call `with_fp8_state(state)(*args)`."
+            )
+        return super().__call__(*args, **kwargs)
+
+    def with_fp8_state(self, state: fp8.Float8State) -> Callable[..., Any]:
+        """The function, quantising with `state` (a `jaxmp.Float8State` from `fp8_init`).
+
+        Differentiate the result with respect to `state` too: its gradient is the state of
+        the next step (see `jaxmp.Float8State`).
+
+        Args:
+          state: the `jaxmp.Float8State` of this step.
+
+        Returns:
+          A function with the signature of the wrapped one.
+
+        Raises:
+          TypeError: if `state` is not a `jaxmp.Float8State`.
+        """
+        if not isinstance(state, fp8.Float8State):
+            raise TypeError(
+                "`state` must be a jaxmp.Float8State (from `fp8_init`), got "
+                f"{type(state).__name__}."
+            )
+
+        @functools.wraps(self._fun)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._call_with(state, args, kwargs)
+
+        return call
+
+    def fp8_init(self, *args: Any, **kwargs: Any) -> fp8.Float8State:
+        """The initial `jaxmp.Float8State` for calls with arguments shaped like these.
+
+        Traces the function (nothing is computed) to find its FP8 matmuls; each gets a zero
+        amax history and scales of 1. Stateless recipes get an empty state.
+
+        Args:
+          *args: arguments as for the wrapped function (arrays or `jax.ShapeDtypeStruct`).
+          **kwargs: keyword arguments as for the wrapped function.
+
+        Returns:
+          The state.
+        """
+        marker = _Discover()
+        graph = interpret.split_graph_nodes((args, kwargs))
+        if graph is not None:
+            nodes, others, nnx_state, _ = graph
+            args, kwargs = (nodes, others, nnx_state), {}
+        spec, dynamic = interpret.split_args(args, kwargs)
+        jax.eval_shape(functools.partial(self._run, graph is not None, spec, marker), *dynamic)
+        sites = marker.rules.sites if marker.rules is not None else []
+        history, scale = {}, {}
+        for key, lengths, _ in sites:
+            history[key], scale[key] = fp8.initial_site_state(lengths, self.fp8.history_len)
+        return fp8.Float8State(
+            amax_history=history, scale=scale, names=tuple((k, w) for k, _, w in sites)
+        )
+
+    def __repr__(self) -> str:
+        name = getattr(self._fun, "__name__", repr(self._fun))
+        return f"jaxmp.autocast({name}, {self.policy!r}, fp8={self.fp8!r})"
+
+
+def fp8_autocast(
+    fun: Callable[..., Any],
+    policy: policy_lib.Policy | str,
+    recipe: Any,
+    exclude: str | Sequence[str] | None = None,
+) -> Float8Autocast:
+    """``jaxmp.autocast(fun, policy, fp8=recipe, fp8_exclude=exclude)``, typed as such."""
+    out = autocast_lib.autocast(fun, policy, fp8=recipe, fp8_exclude=exclude)
+    if not isinstance(out, Float8Autocast):  # pragma: no cover - autocast's own contract
+        raise TypeError(f"expected a Float8Autocast, got {type(out).__name__}.")
+    return out
