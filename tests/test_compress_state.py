@@ -62,11 +62,11 @@ def test_round_trip(fmt, second):
     x = rng.normal(size=(16, 300)).astype(np.float32)  # 300: the last block is padded
     if second:
         x = x**2 * np.exp(rng.normal(size=x.shape) * 2).astype(np.float32)
-    keys = jax.random.split(jax.random.key(0), 256)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 256))
 
     def round_trip(key):
         values, scales = compress_lib.compress(
-            jnp.asarray(x), fmt, second_moment=second, block_size=128, key=key
+            jnp.asarray(x), fmt, second_moment=second, block_size=128, words=key
         )
         leaf = jaxmp.CompressedLeaf(scales, 0, fmt, F32, second, 128)
         return values, leaf.decompress(values)
@@ -105,7 +105,7 @@ def test_small_second_moments_are_never_zero(fmt):
     # values to 0, and Adam would then divide the first moment by eps alone.
     nu = jnp.asarray(np.logspace(-14, 0, 256), F32)
     values, scales = compress_lib.compress(
-        nu, fmt, second_moment=True, block_size=256, key=jax.random.key(0)
+        nu, fmt, second_moment=True, block_size=256, words=jnp.asarray([1, 2], jnp.uint32)
     )
     out = np.asarray(jaxmp.CompressedLeaf(scales, 0, fmt, F32, True, 256).decompress(values))
     assert np.all(out > 0)

@@ -183,16 +183,16 @@ def compress(
     *,
     second_moment: bool,
     block_size: int,
-    key: jax.Array,
+    words: jax.Array,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`x` stored in `fmt` ("bfloat16", "int8" or "fp8"): ``(values, scales)``.
 
-    Rounded stochastically, with random bits of `key`.
+    Rounded stochastically, with the random bits of two uint32 `words` (`random_bits`).
     """
     x = jnp.asarray(x).astype(jnp.float32)
     shape = jnp.shape(x)
     if fmt == "bfloat16":
-        return round_with_bits(x, jnp.bfloat16, random_bits(key, shape)), None
+        return round_with_bits(x, jnp.bfloat16, random_bits(words, shape)), None
     layout = _layout(shape, block_size)
     blocks = _blocked(x, layout)
     absmax = _block_absmax(blocks)
@@ -207,7 +207,7 @@ def compress(
     scales = absmax / level
     safe = jnp.where(absmax > 0, absmax, np.float32(1))
     t = jnp.clip(blocks * (level / safe)[..., None], -level, level)
-    bits = random_bits(key, blocks.shape)
+    bits = random_bits(words, blocks.shape)
     if fmt == "int8":
         low = jnp.floor(t)
         uniform = (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
@@ -254,19 +254,29 @@ def _compress_leaves(
     key_data: jax.Array, leaves: list[Any], chosen: Sequence[CompressedLeaf]
 ) -> tuple[jax.Array, tuple[CompressedLeaf, ...]]:
     """Compresses ``leaves[c.index]`` in place for each of `chosen`; the next key and scales."""
+    key, values, scales = _compress_all(key_data, [leaves[c.index] for c in chosen], chosen)
+    for c, v in zip(chosen, values, strict=True):
+        leaves[c.index] = v
+    return key, tuple(dataclasses.replace(c, scales=s) for c, s in zip(chosen, scales, strict=True))
+
+
+def _compress_all(
+    key_data: jax.Array, xs: list[jax.Array], chosen: Sequence[CompressedLeaf]
+) -> tuple[jax.Array, list[jax.Array], list[jax.Array | None]]:
     key, keys = next_keys(key_data, len(chosen))
-    out = []
-    for c, leaf_key in zip(chosen, keys, strict=True):
-        values, scales = compress(
-            leaves[c.index],
-            c.format,
-            second_moment=c.second_moment,
-            block_size=c.block_size,
-            key=leaf_key,
+    values, scales = [], []
+    for x, c, leaf_key in zip(xs, chosen, keys, strict=True):
+        v, s = compress(
+            x, c.format, second_moment=c.second_moment, block_size=c.block_size, words=leaf_key
         )
-        leaves[c.index] = values
-        out.append(dataclasses.replace(c, scales=scales))
-    return key, tuple(out)
+        values.append(v)
+        scales.append(s)
+    return key, values, scales
+
+
+# `init` is often called outside `jax.jit`: compiled once, the compression costs one
+# compilation instead of one per operation and leaf shape.
+_compress_all_jit = jax.jit(_compress_all, static_argnums=2)
 
 
 def _names(path: Sequence[Any]) -> set[str]:
@@ -394,9 +404,14 @@ def compress_state(
                         )
                     )
         leaves = [x for _, x in with_path]
-        key, compressed = _compress_leaves(seed_key(seed, TAG_STATE), leaves, chosen)
+        xs = [leaves[c.index] for c in chosen]
+        key, values, scales = _compress_all_jit(seed_key(seed, TAG_STATE), xs, tuple(chosen))
+        compressed = []
+        for c, v, s in zip(chosen, values, scales, strict=True):
+            leaves[c.index] = v
+            compressed.append(dataclasses.replace(c, scales=s))
         return CompressStateState(
-            key=key, inner_state=jax.tree.unflatten(treedef, leaves), compressed=compressed
+            key=key, inner_state=jax.tree.unflatten(treedef, leaves), compressed=tuple(compressed)
         )
 
     def update_fn(updates, state, params=None, **extra_args):

@@ -46,7 +46,8 @@ def _compensation(x: Any, dtype: np.dtype | None) -> Any:
         return jnp.zeros((), jnp.float32 if dtype is None else dtype)
     if not dtypes.is_floating(x):
         return None
-    return jnp.zeros(jnp.shape(x), x.dtype if dtype is None else dtype)
+    # `zeros_like`, so that `jaxmp.state_shardings` shards the buffer like its param.
+    return jnp.zeros_like(x, x.dtype if dtype is None else dtype)
 
 
 def _step(update: Any, param: Any, compensation: Any) -> tuple[Any, Any]:

@@ -63,10 +63,14 @@ def seed_key(seed: int, tag: int) -> jax.Array:
 
 
 def next_keys(key_data: jax.Array, count: int) -> tuple[jax.Array, list[jax.Array]]:
-    """Splits the state's key: the key data for the next step, and `count` keys for this one."""
+    """Splits the state's key: the key data for the next step, and `count` for this one.
+
+    One threefry split per step; each of the `count` keys' data (two uint32 words) seeds
+    `random_bits` of one leaf.
+    """
     key = jax.random.wrap_key_data(key_data, impl=_IMPL)
-    keys = jax.random.split(key, count + 1)
-    return jax.random.key_data(keys[0]), [keys[i + 1] for i in range(count)]
+    data = jax.random.key_data(jax.random.split(key, count + 1))
+    return data[0], [data[i + 1] for i in range(count)]
 
 
 def _mix(h: jax.Array) -> jax.Array:
@@ -78,17 +82,16 @@ def _mix(h: jax.Array) -> jax.Array:
     return h ^ (h >> np.uint32(16))
 
 
-def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Random uint32 bits of `shape` for one key: a hash of each element's index and the key.
+def random_bits(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Random uint32 bits of `shape` from two random uint32 `words` (a threefry key's data).
 
-    The key gives two 32-bit words (threefry, once); each element's bits are MurmurHash3's
-    finaliser applied twice to its row-major index mixed with them. These are plain integer
-    operations, which XLA fuses into the update that uses them: `jax.random.bits` runs
-    threefry as a loop of its own on CPU, and writes its bits to memory and reads them back
-    (8x the bytes of a float32 update, for one draw). The index is that of the whole array,
-    so a sharded array draws the bits the unsharded one would.
+    Each element's bits are MurmurHash3's finaliser applied twice to its row-major index
+    mixed with the two words: plain integer operations, which XLA fuses into the update that
+    uses them. `jax.random.bits` runs threefry as a loop of its own on CPU and writes its
+    bits to memory for the update to read (adding them to a float32 array accesses 16 times
+    the array's bytes, against 2 this way). The index is that of the whole array, so a
+    sharded array draws the bits the unsharded one would.
     """
-    words = jax.random.bits(key, (2,), jnp.uint32)
     index = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
     return _mix(_mix(index ^ words[0]) + words[1])
 
@@ -173,7 +176,8 @@ def stochastic_round(x: ArrayLike, dtype: DTypeLike, key: jax.Array) -> jax.Arra
     x = jnp.asarray(x)
     if not dtypes.is_floating(x):
         raise TypeError(f"`x` must be a floating-point array, got dtype {x.dtype}.")
-    return round_with_bits(x.astype(jnp.float32), dtype, random_bits(key, jnp.shape(x)))
+    words = jax.random.bits(key, (2,), jnp.uint32)
+    return round_with_bits(x.astype(jnp.float32), dtype, random_bits(words, jnp.shape(x)))
 
 
 def is_rounded_param(x: Any) -> bool:
