@@ -68,6 +68,11 @@ COMPARE_ORDER = (
     "mixed_bfloat16",
     "float16_master_weights",
     "float16_no_loss_scale",
+    "bf16_master_weights",
+    "bf16_round_to_nearest",
+    "bf16_stochastic_rounding",
+    "bf16_kahan_summation",
+    "bf16_8bit_states",
 )
 COLUMNS = (
     "step",
@@ -108,6 +113,13 @@ class RunResult:
         return float(jaxmp.get_loss_scale(self.state.opt_state).loss_scale)
 
     @property
+    def bytes_per_param(self) -> float:
+        """Bytes of the params and the optimizer state per parameter, read from the state."""
+        params = jax.tree.leaves(self.state.params)
+        stored = jax.tree.leaves((self.state.params, self.state.opt_state))
+        return sum(x.nbytes for x in stored) / sum(x.size for x in params)
+
+    @property
     def median_step_time(self) -> float:
         # The first step of a fresh run includes compilation-related warm-up: leave it out.
         times = [r["step_time_s"] for r in self.history[1:]] or [math.nan]
@@ -141,7 +153,9 @@ def make_optimizer(config: config_lib.Config) -> optax.GradientTransformationExt
     """AdamW with warmup and cosine decay, wrapped by `jaxmp.mixed_precision` for the policy.
 
     The inner optimizer sees unscaled float32 gradients (of the FP32 master weights when the
-    params are half precision); skipped steps leave its state, and so the schedule, untouched.
+    params are half precision and the config keeps them); skipped steps leave its state, and so
+    the schedule, untouched. The config's low-memory keys choose how half-precision params are
+    updated without a master copy and how the moments are stored between steps.
     """
     decay_steps = max(config.steps, config.warmup_steps + 1)
     schedule = optax.warmup_cosine_decay_schedule(
@@ -151,7 +165,7 @@ def make_optimizer(config: config_lib.Config) -> optax.GradientTransformationExt
         optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity(),
         optax.adamw(schedule, b2=0.99, weight_decay=config.weight_decay),
     )
-    return jaxmp.mixed_precision(inner, config.policy, config.make_loss_scale())
+    return config.make_optimizer_wrapper(inner)
 
 
 def create_train_state(
@@ -278,6 +292,17 @@ def generate(
     return dataset.decode(ids[len(ids) - length :])
 
 
+def with_precision(config: config_lib.Config, precision: str) -> config_lib.Config:
+    """`config` with another precision, and the optimizer options every precision accepts."""
+    defaults = config_lib.Config()
+    return dataclasses.replace(
+        config,
+        precision=precision,
+        master_weights=defaults.master_weights,
+        rounding=defaults.rounding,
+    )
+
+
 def gradient_underflow(
     config: config_lib.Config,
     params: Any,
@@ -294,7 +319,7 @@ def gradient_underflow(
     float16's smallest subnormal (6e-8) flush to zero: the updates loss scaling preserves.
     """
     params_f32 = jaxmp.cast_tree(params, jnp.float32)
-    reference = make_model(dataclasses.replace(config, precision="f32"), vocab_size)
+    reference = make_model(with_precision(config, "f32"), vocab_size)
     model = make_model(config, vocab_size)
 
     @jax.jit
@@ -329,7 +354,7 @@ def logit_gradient_underflow(
     ``batch * seq_len`` characters each element is ``(p - onehot) / (batch * seq_len)``, so
     the gradients of improbable characters are far below float16's smallest subnormal.
     """
-    reference = make_model(dataclasses.replace(config, precision="f32"), vocab_size)
+    reference = make_model(with_precision(config, "f32"), vocab_size)
     policy = config.policy
     inputs, targets = batch
 
@@ -663,7 +688,7 @@ def train_and_evaluate(
     log = tqdm.write if verbose else (lambda *a, **k: None)
     unigram = data_lib.unigram_entropy(dataset.train, dataset.val, dataset.vocab_size)
     log(
-        f"{config.name}: policy {config.policy}, loss scale {config.loss_scale}; "
+        f"{config.name}: policy {config.describe()}; "
         f"{len(dataset.train):,} train / {len(dataset.val):,} val chars, vocab "
         f"{dataset.vocab_size}; unigram baseline {unigram:.3f} nats/char"
         + (f"; resuming at step {start}" if resume else "")
@@ -1018,9 +1043,10 @@ def summarize(results: Sequence[RunResult]) -> str:
     )[0]
     header = (
         "| config | precision | final val loss | vs fp32 | skipped | final scale "
-        "| median step | peak memory | param grad underflow | logit grad underflow |"
+        "| median step | peak memory | params + state | param grad underflow "
+        "| logit grad underflow |"
     )
-    lines = [header, "|" + "---|" * 10]
+    lines = [header, "|" + "---|" * 11]
     for r in results:
         diff = "n/a"
         if reference is not None:
@@ -1034,10 +1060,10 @@ def summarize(results: Sequence[RunResult]) -> str:
         lines.append(
             f"| {r.config.name} | {r.config.policy} | {r.final_val_loss:.4f} | {diff} "
             f"| {r.skipped_steps} | {describe_scale(r.final_loss_scale)} "
-            f"| {1000 * r.median_step_time:.1f} ms | {memory} "
+            f"| {1000 * r.median_step_time:.1f} ms | {memory} | {r.bytes_per_param:.2f} B/param "
             f"| {100 * underflow:.4f}% | {100 * logit_underflow:.2f}% |"
         )
-    f16 = dataclasses.replace(results[0].config, precision="mixed_float16")
+    f16 = with_precision(results[0].config, "mixed_float16")
     kwargs = dict(vocab_size=dataset.vocab_size)
     f16_param = [gradient_underflow(f16, ref_params, batch, s, **kwargs) for s in (1.0, 2.0**15)]
     f16_logit = [
@@ -1045,7 +1071,9 @@ def summarize(results: Sequence[RunResult]) -> str:
     ]
     lines += [
         "",
-        f"unigram baseline: {results[0].unigram_loss:.4f} nats/char. Underflow: nonzero float32 "
+        f"unigram baseline: {results[0].unigram_loss:.4f} nats/char. Peak memory: the compiled "
+        "train step's arguments and temporaries. Params + state: bytes of the params and the "
+        "optimizer state per parameter. Underflow: nonzero float32 "
         "gradient elements that are exactly zero under the config's policy and final loss "
         f"scale, at the {(reference or results[0]).config.name} run's final params, on one "
         "validation batch. Float16 compute without loss scaling flushes "
@@ -1152,6 +1180,7 @@ def compare(
             "final_loss_scale": r.final_loss_scale,
             "median_step_time_s": r.median_step_time,
             "peak_memory_bytes": r.peak_memory_bytes,
+            "bytes_per_param": r.bytes_per_param,
             "sample": r.sample,
         }
         for r in results
@@ -1193,6 +1222,9 @@ def _epilog() -> str:
         ),
         "  precision: any string jaxmp.get_policy accepts (f32, mixed_float16, p=f16,c=f16,o=f32)",
         f"  loss_scale: one of {', '.join(config_lib.LOSS_SCALE_KINDS)}",
+        "  master_weights: true (a float32 copy of float16/bfloat16 params) or false",
+        f"  rounding (without a master copy): one of {', '.join(config_lib.ROUNDINGS)}",
+        f"  first_moment, second_moment: one of {', '.join(config_lib.MOMENT_FORMATS)}",
         "",
         "A new run needs an empty --workdir: --resume continues the run in it from its latest "
         "checkpoint, --overwrite replaces that run's outputs (once the new run is ready to "

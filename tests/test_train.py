@@ -54,6 +54,11 @@ SHIPPED = (
     "mixed_bfloat16",
     "float16_master_weights",
     "float16_no_loss_scale",
+    "bf16_master_weights",
+    "bf16_round_to_nearest",
+    "bf16_stochastic_rounding",
+    "bf16_kahan_summation",
+    "bf16_8bit_states",
 )
 
 
@@ -160,6 +165,18 @@ def test_shipped_configs_are_the_documented_ones():
     assert config_lib.load("mixed_float16").policy == jaxmp.get_policy("mixed_float16")
     assert config_lib.load("float16_master_weights").policy.param_dtype == jnp.float16
     assert config_lib.load("float16_no_loss_scale").loss_scale == "none"
+    assert set(train.COMPARE_ORDER) == set(config_lib.available())
+    low = {name: config_lib.load(name) for name in SHIPPED if name.startswith("bf16_")}
+    assert {c.policy for c in low.values()} == {jaxmp.get_policy("p=bf16,c=bf16,o=f32")}
+    assert [c.master_weights for c in low.values()] == [True, False, False, False, False]
+    assert low["bf16_stochastic_rounding"].rounding == "stochastic"
+    assert (
+        low["bf16_stochastic_rounding"].first_moment,
+        low["bf16_8bit_states"].second_moment,
+    ) == (
+        "bfloat16",
+        "int8",
+    )
 
 
 def check_run(result):
@@ -483,8 +500,21 @@ def test_help_lists_configs_and_keys(capsys):
         (("loss_scale_factor=1",), "config key `loss_scale_factor` must be an integer >= 2"),
         (("loss_scale_init=1e40",), "config key `loss_scale_init`"),
         (("d_model=30", "num_heads=4"), "config key `d_model` (30) must be divisible"),
+        (("master_weights=maybe",), "config key `master_weights` must be true or false, got"),
+        (("rounding=stochastc",), "config key `rounding` must be one of nearest, stochastic, "
+         "kahan, got 'stochastc'. Did you mean 'stochastic'?"),
+        (("first_moment=int4",), "config key `first_moment` must be one of float32, bfloat16, "
+         "int8, fp8, got 'int4'. Did you mean 'int8'?"),
+        (("second_moment=fp16",), "config key `second_moment` must be one of"),
+        (("precision=p=bf16,c=bf16", "rounding=stochastic"),
+         "config keys `precision`, `master_weights`, `rounding` (precision='p=bf16,c=bf16', "
+         "master_weights=True, rounding='stochastic'): `rounding='stochastic'` is for params "
+         "updated without a master copy"),
+        (("master_weights=false", "rounding=kahan"),
+         "`rounding='kahan'` rounds float16 or bfloat16 params, but the policy "
+         "'p=f32,c=f16,o=f32' stores params in float32"),
     ],
-)
+)  # fmt: skip
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ValueError) as excinfo:
         config_lib.load("mixed_float16", overrides)
@@ -498,6 +528,13 @@ def test_config_file_errors(tmp_path):
         config_lib.load(str(path))
     path.write_text("precision: mixed_float16\nlearning_rate: 3e-3\n")  # YAML reads a string
     assert config_lib.load(str(path)).learning_rate == 0.003
+    path.write_text("precision: bf16\nmaster_weights: no\n")  # YAML 1.1 reads a bool
+    assert config_lib.load(str(path)).master_weights is False
+    path.write_text("precision: bf16\nmaster_weights: 0\n")
+    with pytest.raises(
+        ValueError, match="config key `master_weights` must be true or false, got 0"
+    ):
+        config_lib.load(str(path))
     path.write_text("- a list\n")
     with pytest.raises(ValueError, match="must hold a mapping of `key: value` lines"):
         config_lib.load(str(path))
@@ -652,7 +689,7 @@ def test_compare_writes_a_summary_and_resumes_without_training(tmp_path):
     assert [r.config.name for r in results] == ["fp32", "float16_no_loss_scale"]
     rows = [line for line in table.splitlines() if line.startswith("| fp32") or "no_loss" in line]
     assert rows[0].split("|")[4].strip() == "+0.00%"
-    assert len(rows[1].split("|")) == 12
+    assert len(rows[1].split("|")) == 13
     assert "nats/char" in table and "samples" in table
     for r in results:
         assert len(r.sample) == 80 and set(r.sample) <= set(train.get_dataset(0.1).vocab)

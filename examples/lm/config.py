@@ -8,12 +8,14 @@ surfaces `jaxmp.get_policy`'s own message, prefixed with the key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import pathlib
 import types
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import optax
 import yaml
 
 import jaxmp
@@ -21,6 +23,10 @@ import jaxmp
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 LOSS_SCALE_KINDS = ("auto", "dynamic", "static", "none")
+ROUNDINGS = ("nearest", "stochastic", "kahan")
+MOMENT_FORMATS = ("float32", "bfloat16", "int8", "fp8")
+_BOOLS = {"true": True, "yes": True, "on": True, "1": True,
+          "false": False, "no": False, "off": False, "0": False}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +37,11 @@ class Config:
     ``2**15`` for float16 compute, none otherwise); the other kinds build the loss scale from
     the ``loss_scale_*`` fields. ``mesh`` shards the run over devices
     (``"data=4,model=2"``, see ``examples/sharding.py``); ``""`` means one device.
+
+    With float16 or bfloat16 params, ``master_weights: false`` drops the float32 master copy
+    and ``rounding`` says how each update is rounded to the params' dtype (``nearest``,
+    ``stochastic`` or ``kahan``); ``first_moment`` and ``second_moment`` store Adam's moments
+    in ``bfloat16``, ``int8`` or ``fp8`` between steps (`jaxmp.mixed_precision`'s options).
     """
 
     name: str = "run"
@@ -41,6 +52,11 @@ class Config:
     loss_scale_factor: int = 2
     loss_scale_min: float = 1.0
     loss_scale_max: float = 2.0**32
+    # Low memory: the master copy, the rounding without one, the moments' storage.
+    master_weights: bool = True
+    rounding: str = "nearest"
+    first_moment: str = "float32"
+    second_moment: str = "float32"
     # Model.
     num_layers: int = 2
     num_heads: int = 4
@@ -80,6 +96,11 @@ class Config:
                 value = float(value)
             if expected is float and isinstance(value, float):
                 object.__setattr__(self, field.name, value)
+            elif expected is bool:
+                if not isinstance(value, bool):
+                    raise ValueError(
+                        f"config key `{field.name}` must be true or false, got {value!r}."
+                    )
             elif not isinstance(value, expected) or isinstance(value, bool):
                 raise ValueError(
                     f"config key `{field.name}` must be {expected.__name__}, got {value!r}."
@@ -147,6 +168,59 @@ class Config:
             raise ValueError(
                 f"config key `val_fraction` must be in (0, 1), got {self.val_fraction!r}."
             )
+        self._check_low_memory()
+
+    def _check_low_memory(self) -> None:
+        """The low-memory keys, checked by jaxmp itself: one line naming the keys."""
+        if self.rounding not in ROUNDINGS:
+            hint = _did_you_mean(self.rounding, ROUNDINGS)
+            raise ValueError(
+                f"config key `rounding` must be one of {', '.join(ROUNDINGS)}, "
+                f"got {self.rounding!r}.{hint}"
+            )
+        for key in ("first_moment", "second_moment"):
+            value = getattr(self, key)
+            if value not in MOMENT_FORMATS:
+                hint = _did_you_mean(value, MOMENT_FORMATS)
+                raise ValueError(
+                    f"config key `{key}` must be one of {', '.join(MOMENT_FORMATS)}, "
+                    f"got {value!r}.{hint}"
+                )
+        try:
+            jaxmp.mixed_precision(optax.identity(), self.policy, **self._low_memory_options())
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"config keys `precision`, `master_weights`, `rounding` "
+                f"(precision={self.precision!r}, master_weights={self.master_weights}, "
+                f"rounding={self.rounding!r}): {e}"
+            ) from None
+
+    def make_optimizer_wrapper(
+        self, inner: optax.GradientTransformation
+    ) -> optax.GradientTransformationExtraArgs:
+        """`jaxmp.mixed_precision` of `inner` with this config's policy, loss scale and options."""
+        return jaxmp.mixed_precision(
+            inner, self.policy, self.make_loss_scale(), **self._low_memory_options()
+        )
+
+    def _low_memory_options(self) -> dict[str, Any]:
+        return dict(
+            master_weights=None if self.master_weights else False,
+            rounding=self.rounding,
+            moments=(self.first_moment, self.second_moment),
+            seed=self.seed,
+        )
+
+    def describe(self) -> str:
+        """The policy, loss scale and low-memory options, for `--help` and logs."""
+        text = f"{self.policy}, loss scale {self.loss_scale}"
+        if self.policy.param_dtype.itemsize < 4:  # float16 or bfloat16 params
+            rounding = {"nearest": "round-to-nearest", "stochastic": "stochastic rounding",
+                        "kahan": "Kahan summation"}[self.rounding]  # fmt: skip
+            text += ", f32 master copy" if self.master_weights else f", no master copy, {rounding}"
+        if (self.first_moment, self.second_moment) != ("float32", "float32"):
+            text += f", moments {self.first_moment}/{self.second_moment}"
+        return text
 
     def make_loss_scale(self) -> jaxmp.LossScale | None:
         """The configured loss scale; None for "auto" (`jaxmp.mixed_precision` chooses)."""
@@ -166,6 +240,11 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _did_you_mean(token: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(token, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def _resolve(tp: Any) -> type:
@@ -205,6 +284,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     raw = raw.strip()
     if tp is str:
         return key, raw
+    if tp is bool:
+        if raw.lower() not in _BOOLS:
+            raise ValueError(f"config key `{key}` must be true or false, got {raw!r}.")
+        return key, _BOOLS[raw.lower()]
     try:
         if tp is int:
             return key, int(raw)
@@ -308,7 +391,7 @@ def describe_configs() -> list[tuple[str, str]]:
     for name in available():
         try:
             config = load(name)
-            text = f"{config.policy}, loss scale {config.loss_scale}"
+            text = config.describe()
         except ValueError as e:
             text = f"(invalid: {e})"
         described.append((name, text))
