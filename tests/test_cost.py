@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxmp
-from tests.conftest import F16, F32, HALF_DTYPES
+from tests.conftest import BF16, F16, F32, HALF_DTYPES
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu", reason="the byte figures are XLA:CPU's cost model"
@@ -172,3 +172,35 @@ def test_train_step_traces_once(policy):
         assert all(p.dtype == param_dtype for p in jax.tree.leaves(params))
     assert len(traces) == 1
     assert skipped[-1] == (1 if policy != "mixed_bfloat16" else 0)
+
+
+# --- Low-memory modes (bfloat16 params, no master copy) ---------------------------------------
+
+
+def _low_memory_bytes(**kwargs):
+    tx = jaxmp.mixed_precision(optax.adam(1e-3), "bf16", master_weights=False, **kwargs)
+    return _update_bytes(tx, _tree(BF16), _tree(BF16))
+
+
+def test_stochastic_rounding_costs_what_round_to_nearest_does():
+    # The random bits are a hash of each element's index, fused into the update: nothing is
+    # written or read for them (jax.random.bits would add 14 float32 copies of the params).
+    nearest = _low_memory_bytes()
+    stochastic = _low_memory_bytes(rounding="stochastic")
+    assert stochastic <= nearest + CHECK_SLACK * _nbytes(_tree(F32))
+
+
+@pytest.mark.parametrize(("moments", "at_most"), [("bf16", 0.61), ("int8", 0.62), ("fp8", 0.62)])
+def test_compressed_moments_cost_less_than_float32_adam(moments, at_most):
+    # bfloat16 moments and params: 6.0 float32 copies of the params against Adam's 10; 8-bit
+    # moments 6.1 (their block maxima, each compared as int32 32 at a time, fuse with the
+    # moments' computation: a float or wider reduction would write the moments out).
+    adam = _update_bytes(optax.adam(1e-3), _tree(F32), _tree(F32))
+    assert _low_memory_bytes(rounding="stochastic", moments=moments) <= at_most * adam
+
+
+def test_kahan_summation_within_1_56x_of_float32_adam():
+    # The compensated update is needed by both the params and the buffer: XLA writes it out
+    # (15.5 float32 copies of the params against Adam's 10, BENCHMARKS.md).
+    adam = _update_bytes(optax.adam(1e-3), _tree(F32), _tree(F32))
+    assert _low_memory_bytes(rounding="kahan") <= 1.56 * adam

@@ -25,11 +25,23 @@ TRANSFORMS = {
     ),
     "mixed_precision/float16": lambda: jaxmp.mixed_precision(optax.adam(1e-2), "float16"),
     "mixed_precision/bfloat16": lambda: jaxmp.mixed_precision(optax.lion(1e-3), "bfloat16"),
+    "mixed_precision/bfloat16_stochastic_8bit": lambda: jaxmp.mixed_precision(
+        optax.adam(1e-2),
+        "bfloat16",
+        master_weights=False,
+        rounding="stochastic",
+        moments=("int8", "fp8"),
+    ),
+    "mixed_precision/float16_kahan": lambda: jaxmp.mixed_precision(
+        optax.adam(1e-2), "float16", master_weights=False, rounding="kahan", moments="bf16"
+    ),
 }
 PARAM_DTYPES = {
     "master_weights": F16,
     "mixed_precision/float16": F16,
     "mixed_precision/bfloat16": jnp.dtype(jnp.bfloat16),
+    "mixed_precision/bfloat16_stochastic_8bit": jnp.dtype(jnp.bfloat16),
+    "mixed_precision/float16_kahan": F16,
 }
 
 
