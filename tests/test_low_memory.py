@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
 import orbax.checkpoint as ocp
 import pytest
 from flax import linen as nn
@@ -111,6 +112,59 @@ def test_composition_and_state_helpers():
 def test_options_are_validated_at_construction(policy, kwargs, error, match):
     with pytest.raises(error, match=match):
         jaxmp.mixed_precision(optax.adam(1e-3), policy, **kwargs)
+
+
+def test_linen_train_state_wraps_a_rounding_transform_in_loss_scaling_only():
+    # A transformation that already rounds half-precision params gets no master copy.
+    model = nn.Dense(3)
+    params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+    tx = jaxmp.stochastic_rounding(optax.adam(1e-3))
+    state = jaxmp.linen.TrainState.create(apply_fn=model.apply, params=params, tx=tx, policy="bf16")
+    assert isinstance(state.opt_state, jaxmp.LossScalingState)
+    assert isinstance(state.opt_state.inner_state, jaxmp.StochasticRoundingState)
+    assert state.params["kernel"].dtype == BF16
+
+
+def test_equinox_module_with_stochastic_rounding():
+    import equinox as eqx  # noqa: PLC0415
+
+    policy = jaxmp.get_policy("p=bf16,c=bf16,o=f32")
+    model = eqx.nn.MLP(8, 2, 16, 1, key=jax.random.key(0))
+    tx = jaxmp.mixed_precision(
+        optax.adam(1e-2), policy, master_weights=False, rounding="stochastic", moments="bf16"
+    )
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    model = policy.cast_to_param(model)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 8)), F32)
+    y = jnp.sin(x[:, :2])
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        def loss_fn(model):
+            pred = policy.cast_to_output(jax.vmap(model)(policy.cast_to_compute(x)))
+            return jnp.mean((pred - y) ** 2)
+
+        loss, grads = jaxmp.filter_value_and_grad(loss_fn)(jaxmp.get_loss_scale(opt_state), model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    losses = []
+    for _ in range(30):
+        model, opt_state, loss = step(model, opt_state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert {p.dtype for p in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))} == {BF16}
+    assert model.activation is jax.nn.relu
+
+
+def test_schedule_free_eval_params_through_stochastic_rounding():
+    tx = jaxmp.mixed_precision(
+        optax.contrib.schedule_free_sgd(1.0), "bf16", master_weights=False, rounding="stochastic"
+    )
+    params = {"w": jnp.ones(4, BF16)}
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)({"w": jnp.ones(4, BF16)}, state, params)
+    assert jaxmp.schedule_free_eval_params(state, params)["w"].dtype == BF16
 
 
 # --- Digits parity (Linen TrainState), an NNX Optimizer, orbax checkpoints -------------------

@@ -171,7 +171,8 @@ def schedule_free_eval_params(opt_state: Any, params: Any) -> Any:
 
     With a master copy (`mixed_precision` with half-precision params), the
     evaluation params are computed from the float32 master copy and cast to each
-    param's dtype; otherwise from `params`, as optax does.
+    param's dtype; otherwise from `params`, as optax does (and cast to each param's
+    dtype: without a master copy the optimizer's state is float32).
 
     Args:
       opt_state: the state of ``loss_scaling(schedule_free(...))`` or
@@ -196,10 +197,13 @@ def schedule_free_eval_params(opt_state: Any, params: Any) -> Any:
 
     state = _unwrap_param_updates(loss_scaling_state(opt_state).inner_state)
     if not isinstance(state, MasterWeightsState):
-        return contrib.schedule_free_eval_params(state, params)
-    master = contrib.schedule_free_eval_params(
-        _unwrap_param_updates(state.inner_state), state.master
-    )
+        # Without a master copy the optimizer's state is float32 (`loss_scaling` widens
+        # half-precision params for it), and so are the evaluation params it gives.
+        master = contrib.schedule_free_eval_params(state, params)
+    else:
+        master = contrib.schedule_free_eval_params(
+            _unwrap_param_updates(state.inner_state), state.master
+        )
     return jax.tree.map(
         lambda m, p: m.astype(p.dtype) if dtypes.is_floating(p) else p, master, params
     )
