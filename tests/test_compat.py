@@ -193,3 +193,20 @@ def test_name_stack_parts_and_user_frames_of_a_derivative():
     file, first_line, function = compat.user_frames(eqn)[0]
     # JAX gives the backward equation the traceback of the line it differentiates.
     assert (file, first_line, function.rsplit(".", 1)[-1]) == (__file__, line, "f")
+
+
+def test_varying_axes_inside_shard_map():
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+    seen = {}
+
+    def body(x, w):
+        seen["x"], seen["w"] = compat.varying_axes(x), compat.varying_axes(w)
+        seen["max"] = compat.varying_axes(lax.pmax(jnp.max(x), "data"))
+        return x
+
+    P = jax.sharding.PartitionSpec
+    jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))(
+        jnp.ones((2, 3)), jnp.ones(3)
+    )
+    assert seen == {"x": frozenset({"data"}), "w": frozenset(), "max": frozenset()}
+    assert compat.varying_axes(jnp.ones(3)) == frozenset()

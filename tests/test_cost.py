@@ -190,11 +190,12 @@ def test_stochastic_rounding_costs_what_round_to_nearest_does():
     assert stochastic <= nearest + CHECK_SLACK * _nbytes(_tree(F32))
 
 
-@pytest.mark.parametrize(("moments", "at_most"), [("bf16", 0.61), ("int8", 0.62), ("fp8", 0.62)])
+@pytest.mark.parametrize(("moments", "at_most"), [("bf16", 0.61), ("int8", 0.63), ("fp8", 0.63)])
 def test_compressed_moments_cost_less_than_float32_adam(moments, at_most):
     # bfloat16 moments and params: 6.0 float32 copies of the params against Adam's 10; 8-bit
-    # moments 6.1 (their block maxima, each compared as int32 32 at a time, fuse with the
-    # moments' computation: a float or wider reduction would write the moments out).
+    # moments 6.1 with jax 0.10, 6.2 with jax 0.12 (their block maxima, each compared as int32
+    # 32 at a time, fuse with the moments' computation: a float or wider reduction would write
+    # the moments out).
     adam = _update_bytes(optax.adam(1e-3), _tree(F32), _tree(F32))
     assert _low_memory_bytes(rounding="stochastic", moments=moments) <= at_most * adam
 

@@ -290,6 +290,9 @@ def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
 # --- On a mesh (8 simulated devices, in a process of their own) -----------------------------
 
 
+LEARNING_RATE, STEPS = 1e-2, 3  # as tests/distributed/low_memory.py trains
+
+
 @pytest.fixture(scope="module")
 def on_a_mesh():
     from tests.test_distributed import run_script
@@ -308,9 +311,19 @@ def test_sharded_runs_agree_across_replicas_and_follow_one_device(on_a_mesh, mod
     assert run["replicas_agree"] and run["keys_replicated"]
     assert run["state_follows_params"]
     assert run["param_dtypes"] == ["bfloat16"]
-    # Gradients summed in another order can round a param the other way: one bfloat16 unit.
+    # The random bits do not depend on the sharding (checked on their own below); what differs
+    # is the order in which the devices' gradients are summed. Adam divides a gradient by its
+    # own size, so a near-zero gradient's sign can flip between the two orders, and a param can
+    # move by up to the learning rate the other way at each step (and then round apart).
     np.testing.assert_allclose(run["losses"], single["losses"], rtol=1e-3)
-    assert run["max_param_difference"] <= 2.0**-6
+    assert run["max_param_difference"] <= 2 * LEARNING_RATE * STEPS
+    assert run["fraction_of_params_differing"] < 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["data=8", "data=4,model=2"])
+def test_stochastic_rounding_draws_the_same_bits_on_any_sharding(on_a_mesh, mesh):
+    assert on_a_mesh["rounding_follows_one_device"][mesh] is True
 
 
 @pytest.mark.slow

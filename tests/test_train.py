@@ -381,7 +381,10 @@ def _set(*keys):
     return [arg for key in keys for arg in ("--set", key)]
 
 
-VALID_NAMES = "valid names are: float16_master_weights, float16_no_loss_scale, fp32, "
+# Every file in configs/, listed by name, whatever configs are added.
+VALID_NAMES = "valid names are: " + ", ".join(
+    sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+)
 CLI_CASES = {
     "malformed_yaml": (
         ["--config", "bad.yaml"],

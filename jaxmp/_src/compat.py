@@ -257,11 +257,15 @@ def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
 def varying_axes(x: Any) -> frozenset[str]:
     """The mesh axes `x` varies along inside ``jax.shard_map``; empty elsewhere.
 
-    The ``vma`` ("varying manual axes") of the value's type, ``jax.typeof(x).vma``: a
-    frozenset of axis names in jax 0.8 to 0.12 (empty outside ``shard_map`` and under
-    ``check_vma=False``).
+    The "varying manual axes" of the value's type: ``jax.typeof(x).vma`` in jax 0.8,
+    ``jax.typeof(x).manual_axis_type.varying`` in jax 0.10 to 0.12 (frozensets of axis
+    names; empty outside ``shard_map`` and under ``check_vma=False``).
     """
-    return frozenset(getattr(jax.typeof(x), "vma", None) or ())
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
 
 
 def lowered_primitive_names() -> set[str]:

@@ -7,7 +7,8 @@ two meshes (data parallel, and data=4,model=2 with the params and the state spli
 state placed by `jaxmp.state_shardings`; then a data-parallel `shard_map` step. Prints one
 JSON object: per run, the losses, whether every replica of every param is bit-identical across
 devices, whether every state leaf shaped like a param is sharded like it, whether the PRNG key
-is replicated, and the largest difference of the params from the single-device run.
+is replicated, and the largest difference of the params from the single-device run and the
+fraction of params that differ from it at all.
 """
 
 from __future__ import annotations
@@ -143,8 +144,25 @@ def shard_map_data_parallel(mode: str) -> dict:
     return {"devices_agree": bool(same), "params_moved": bool(moved)}
 
 
+def rounding_follows_one_device(mesh_spec: str) -> bool:
+    """Whether stochastic rounding of a sharded array draws the single-device bits."""
+    x = jax.random.normal(jax.random.key(0), (64, 48), jnp.float32) * 3.0
+    key = jax.random.key(7)
+    single = jax.jit(lambda v, k: jaxmp.stochastic_round(v, jnp.bfloat16, k))(x, key)
+    mesh = sharding.make_mesh(mesh_spec)
+    spec = P(*mesh.axis_names)
+    sharded = jax.jit(
+        lambda v, k: jaxmp.stochastic_round(v, jnp.bfloat16, k),
+        out_shardings=NamedSharding(mesh, spec),
+    )(jax.device_put(x, NamedSharding(mesh, spec)), key)
+    return bool(np.array_equal(np.asarray(single), np.asarray(sharded)))
+
+
 def main() -> None:
     result: dict = {"device_count": jax.device_count(), "runs": {}, "shard_map": {}}
+    result["rounding_follows_one_device"] = {
+        spec: rounding_follows_one_device(spec) for spec in MESHES if spec is not None
+    }
     for mode in MODES:
         single = None
         for mesh_spec in MESHES:
@@ -153,8 +171,14 @@ def main() -> None:
             if mesh_spec is None:
                 single = params
             else:
-                diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, single)
-                out["max_param_difference"] = max(jax.tree.leaves(diffs))
+                a = np.concatenate(
+                    [np.ravel(x).astype(np.float32) for x in jax.tree.leaves(params)]
+                )
+                b = np.concatenate(
+                    [np.ravel(x).astype(np.float32) for x in jax.tree.leaves(single)]
+                )
+                out["max_param_difference"] = float(np.max(np.abs(a - b)))
+                out["fraction_of_params_differing"] = float(np.mean(a != b))
             result["runs"][f"{mode}_{mesh_spec or 'single'}"] = out
         result["shard_map"][mode] = shard_map_data_parallel(mode)
     common.emit(result)
