@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,10 +31,11 @@ from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import state as state_lib
 from jaxmp._src import tree as tree_lib
+from jaxmp._src.fp8_autocast import Float8Autocast, fp8_autocast
 from jaxmp._src.loss_scaling import loss_scaling
 from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
 
-__all__ = ("TrainState", "policy_scope")
+__all__ = ("FP8_STATE_KEY", "Float8Apply", "TrainState", "fp8_apply", "policy_scope")
 
 # Per thread: the active scopes' policies (innermost last) and the module-call depth.
 _local = threading.local()
@@ -383,3 +384,130 @@ class TrainState(train_state.TrainState):
     def metrics(self) -> dict[str, jax.Array]:
         """`jaxmp.loss_scale_metrics` of the optimizer state, for logging."""
         return state_lib.loss_scale_metrics(self.opt_state)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8.
+
+#: The key of `jaxmp.DelayedScaling`'s state in the ``"_overwrite_with_gradient"`` collection.
+FP8_STATE_KEY = "jaxmp_fp8"
+
+
+class Float8Apply:
+    """A Linen ``apply`` under `jaxmp.autocast` with an FP8 recipe (from `fp8_apply`).
+
+    Call it like ``model.apply``: ``apply(variables, *args, **kwargs)``. With
+    `jaxmp.DelayedScaling`, the FP8 state lives in the variables, as
+    ``variables["_overwrite_with_gradient"]["jaxmp_fp8"]`` (`init` puts it there): the
+    collection Flax uses for its own FP8 scales, whose gradients are their next values.
+    `jaxmp.linen.TrainState` keeps that collection next to ``"params"``, out of the
+    optimizer, and writes the gradient into it at ``apply_gradients`` (keeping it on a
+    skipped step), so a train step is the usual one: differentiate the loss with respect
+    to ``state.params``, then ``state.apply_gradients(grads=grads)``.
+
+    Attributes:
+      autocast: the `jaxmp.Float8Autocast` of ``model.apply``.
+    """
+
+    def __init__(self, autocast: Float8Autocast):
+        self.autocast = autocast
+
+    def init(self, variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`variables` with the FP8 state for calls shaped like ``(variables, *args)``.
+
+        Stateless recipes need no state: `variables` comes back as a plain dict.
+
+        Args:
+          variables: the model's variables (``{"params": ...}``).
+          *args: example arguments of ``model.apply`` after the variables.
+          **kwargs: example keyword arguments.
+
+        Returns:
+          The variables, with ``"_overwrite_with_gradient": {"jaxmp_fp8": state}`` added
+          for `jaxmp.DelayedScaling`.
+        """
+        variables = dict(variables)
+        if not self.autocast.fp8.stateful:
+            return variables
+        plain, _ = _split_fp8_state(variables)
+        state = self.autocast.fp8_init(plain, *args, **kwargs)
+        overwrite = dict(variables.get(OVERWRITE_WITH_GRADIENT, {}))
+        overwrite[FP8_STATE_KEY] = state
+        variables[OVERWRITE_WITH_GRADIENT] = overwrite
+        return variables
+
+    def __call__(self, variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        plain, state = _split_fp8_state(variables)
+        if not self.autocast.fp8.stateful:
+            return self.autocast(plain, *args, **kwargs)
+        if state is None:
+            raise ValueError(
+                f"`variables` must hold the FP8 state of {type(self.autocast.fp8).__name__} "
+                f"under [{OVERWRITE_WITH_GRADIENT!r}][{FP8_STATE_KEY!r}]: create the "
+                "variables with `init(variables, *args)`."
+            )
+        return self.autocast.with_fp8_state(state)(plain, *args, **kwargs)
+
+
+def _split_fp8_state(variables: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """``(variables without the FP8 state, the state or None)``."""
+    variables = dict(variables)
+    overwrite = variables.pop(OVERWRITE_WITH_GRADIENT, None)
+    if overwrite is None:
+        return variables, None
+    overwrite = dict(overwrite)
+    state = overwrite.pop(FP8_STATE_KEY, None)
+    if overwrite:  # Flax's own FP8 variables stay where the model reads them
+        variables[OVERWRITE_WITH_GRADIENT] = overwrite
+    return variables, state
+
+
+def fp8_apply(
+    apply_fn: Callable[..., Any],
+    policy: policy_lib.Policy | str,
+    recipe: Any,
+    *,
+    exclude: str | Sequence[str] | None = None,
+) -> Float8Apply:
+    """Runs a Linen model's ``apply`` with its matmuls in FP8 (`jaxmp.autocast` with `recipe`).
+
+    The model is unmodified: every ``dot_general`` (``nn.Dense``, ``nn.Einsum``, attention)
+    runs in FP8 with `recipe`, except those whose module path matches `exclude` (a regex
+    fully matching the name stack, the model's class first: ``"TransformerLM/head"``,
+    ``".*/head"``); everything else follows `policy`. See `Float8Apply` for the state of
+    `jaxmp.DelayedScaling`.
+
+    Args:
+      apply_fn: ``model.apply``.
+      policy: a `jaxmp.Policy` or policy string (``"mixed_bfloat16"``).
+      recipe: an FP8 recipe (`jaxmp.Float8CurrentScaling`, `jaxmp.DelayedScaling`,
+        `jaxmp.Float8BlockScaling`, `jaxmp.MXFP8BlockScaling`).
+      exclude: regex(es) of the name stacks kept out of FP8.
+
+    Returns:
+      A `Float8Apply`.
+
+    Raises:
+      TypeError / ValueError: for a bad `policy`, `recipe` or `exclude`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, jaxmp, jaxmp.linen
+      >>> model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(4)])
+      >>> x = jnp.ones((8, 16))
+      >>> apply = jaxmp.linen.fp8_apply(model.apply, "mixed_bfloat16", jaxmp.DelayedScaling())
+      >>> variables = apply.init(model.init(jax.random.key(0), x), x)
+      >>> state = jaxmp.linen.TrainState.create(
+      ...     apply_fn=apply, params=variables, tx=optax.adam(1e-3), policy="mixed_bfloat16")
+      >>> @jax.jit
+      ... def step(state):
+      ...     loss_fn = lambda v: jnp.mean(state.apply_fn(v, x) ** 2)
+      ...     _, grads = jaxmp.value_and_grad(loss_fn)(state.loss_scale, state.params)
+      ...     return state.apply_gradients(grads=grads)
+      >>> state = step(state)
+      >>> fp8_state = state.params["_overwrite_with_gradient"]["jaxmp_fp8"]
+      >>> fp8_state.names  # (key, module path) of each FP8 matmul
+      (('s0', 'Sequential/layers_0'), ('s2', 'Sequential/layers_2'))
+      >>> float(fp8_state.scale["s0"][0])  # E4M3's largest value over the input's amax, 1
+      448.0
+    """
+    return Float8Apply(fp8_autocast(apply_fn, policy, recipe, exclude))

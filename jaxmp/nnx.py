@@ -21,9 +21,11 @@ from jaxmp._src import flax_common
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import state as state_lib
+from jaxmp._src import tree as tree_lib
+from jaxmp._src.fp8_autocast import fp8_autocast
 from jaxmp._src.grad import as_loss_scale_object, scaled_loss_fn
 
-__all__ = ("Optimizer", "set_policy", "value_and_grad")
+__all__ = ("Float8", "Float8StateVariable", "Optimizer", "set_policy", "value_and_grad")
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -119,7 +121,9 @@ def value_and_grad(
     Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)``: `value` is
     `fun`'s own output (the unscaled loss, or ``(loss, aux)`` with `has_aux`);
     `grads` (an `nnx.State` of the `nnx.Param` variables for a module argument) are
-    the gradients of ``loss_scale.scale(loss)``, for ``optimizer.update``.
+    the gradients of ``loss_scale.scale(loss)``, for ``optimizer.update``. A module
+    holding `Float8` modules with `jaxmp.DelayedScaling` also gets the "gradients" of
+    their `Float8StateVariable`: the next FP8 state, which `Optimizer.update` writes.
 
     Args:
       fun: the loss function; returns a scalar (or ``(scalar, aux)``).
@@ -146,7 +150,7 @@ def value_and_grad(
         scale = as_loss_scale_object(loss_scale)
 
         scaled_fun = scaled_loss_fn(fun, scale, has_aux)
-        grad_fn = nnx.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+        grad_fn = nnx.value_and_grad(scaled_fun, argnums=_with_fp8(argnums, args), has_aux=True)
         (_, value), grads = grad_fn(*args, **kwargs)
         return value, grads
 
@@ -178,11 +182,23 @@ class Optimizer(nnx.Optimizer):
     """
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
-        """Like `nnx.Optimizer.update`; ``step`` advances only when the step was applied."""
+        """Like `nnx.Optimizer.update`; ``step`` advances only when the step was applied.
+
+        Entries of `grads` for `Float8StateVariable` variables (from `value_and_grad`)
+        are the next FP8 states: they are written into `model` as they are, never given
+        to the optimizer, and kept unchanged on a skipped step.
+        """
+        fp8_grads = None
+        if isinstance(grads, nnx.State):
+            fp8_grads, grads = nnx.split_state(grads, Float8StateVariable, ...)
         step = self.step[...]
         updates = super().update(model, grads, **kwargs)
         finite = state_lib.loss_scaling_state(self.opt_state).grads_finite
         self.step[...] = step + finite.astype(step.dtype)
+        if fp8_grads is not None and jax.tree.leaves(fp8_grads):
+            current = nnx.state(model, Float8StateVariable)
+            names = ("FP8 state gradients", "model's FP8 state")
+            nnx.update(model, tree_lib.select(finite, fp8_grads, current, names=names))
         return updates
 
     @property
@@ -193,6 +209,100 @@ class Optimizer(nnx.Optimizer):
     def metrics(self) -> dict[str, jax.Array]:
         """`jaxmp.loss_scale_metrics` of the optimizer state, for logging."""
         return state_lib.loss_scale_metrics(self.opt_state)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8.
+
+
+class Float8StateVariable(nnx.Variable):
+    """The `jaxmp.Float8State` of a `Float8` module (`jaxmp.DelayedScaling`).
+
+    Not an `nnx.Param`: the optimizer never sees it. `value_and_grad` differentiates it
+    along with the params, and its gradient is its next value, which `Optimizer.update`
+    writes into the model.
+    """
+
+
+def _call_model(model: Any, *args: Any, **kwargs: Any) -> Any:
+    return model(*args, **kwargs)
+
+
+class Float8(nnx.Module):
+    """An NNX model whose matmuls run in FP8: `jaxmp.autocast` with an FP8 recipe.
+
+    ``Float8(model, policy, recipe, *example_args)`` wraps an unmodified model: calling it
+    calls the model with every ``dot_general`` (``nnx.Linear``, ``nnx.Einsum``, attention)
+    in FP8 with `recipe` (and, with a per-tensor recipe, every convolution), everything
+    else following `policy`. With `jaxmp.DelayedScaling`, the FP8 state is the
+    `Float8StateVariable` ``fp8_state``, created from the example arguments; train with
+    `value_and_grad` and `Optimizer`, which update it.
+
+    Args:
+      model: the NNX model (its params as the policy wants them: see `set_policy`).
+      policy: a `jaxmp.Policy` or policy string (``"mixed_bfloat16"``).
+      recipe: an FP8 recipe (`jaxmp.Float8CurrentScaling`, `jaxmp.DelayedScaling`, ...).
+      *example_args: arguments of a call (arrays or `jax.ShapeDtypeStruct`), to create the
+        delayed state; unused by the stateless recipes.
+      exclude: regex(es) fully matching the name stacks kept out of FP8 (``jax.named_scope``
+        names in the model's code).
+      **example_kwargs: keyword arguments of a call.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxmp, jaxmp.nnx
+      >>> from flax import nnx
+      >>> x = jnp.ones((8, 16))
+      >>> model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu,
+      ...                        nnx.Linear(32, 4, rngs=nnx.Rngs(1)))
+      >>> model = jaxmp.nnx.Float8(model, "mixed_bfloat16", jaxmp.DelayedScaling(), x)
+      >>> optimizer = jaxmp.nnx.Optimizer(
+      ...     model, jaxmp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16"), wrt=nnx.Param)
+      >>> @nnx.jit
+      ... def train_step(model, optimizer):
+      ...     loss_fn = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)
+      ...     loss, grads = jaxmp.nnx.value_and_grad(loss_fn)(optimizer.loss_scale, model)
+      ...     optimizer.update(model, grads)
+      >>> train_step(model, optimizer)
+      >>> float(model.fp8_state.get_value().scale["s0"][0])  # E4M3's 448 over the input's amax
+      448.0
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        policy: policy_lib.Policy | str,
+        recipe: Any,
+        *example_args: Any,
+        exclude: str | Sequence[str] | None = None,
+        **example_kwargs: Any,
+    ):
+        self.model = model
+        self.autocast = fp8_autocast(_call_model, policy, recipe, exclude)
+        state = None
+        if self.autocast.fp8.stateful:
+            init = self.autocast.fp8_init(model, *example_args, **example_kwargs)
+            state = Float8StateVariable(init)
+        self.fp8_state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fp8_state is None:
+            return self.autocast(self.model, *args, **kwargs)
+        call = self.autocast.with_fp8_state(self.fp8_state.get_value())
+        return call(self.model, *args, **kwargs)
+
+
+def _with_fp8(argnums: Any, args: tuple[Any, ...]) -> Any:
+    """`argnums` for `nnx.value_and_grad`: a module holding FP8 state differentiates it too."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    wrt = nnx.Any(nnx.Param, Float8StateVariable)
+    out = []
+    for i in nums:
+        node = args[i] if isinstance(i, int) and -len(args) <= i < len(args) else None
+        has_fp8 = nnx.graph.is_graph_node(node) and jax.tree.leaves(
+            nnx.state(node, Float8StateVariable)
+        )
+        out.append(nnx.DiffState(i, wrt) if has_fp8 else i)
+    return out[0] if isinstance(argnums, int) else tuple(out)
 
 
 # --------------------------------------------------------------------------------------------

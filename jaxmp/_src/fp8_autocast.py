@@ -20,6 +20,7 @@ current scaling.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -71,6 +72,24 @@ class _Discover:
         self.rules: _Fp8Rules | None = None
 
 
+@dataclasses.dataclass
+class _Level:
+    """A higher-order equation being recursed into: its key prefix, its sub-jaxprs."""
+
+    prefix: str
+    length: int  # a scan's length, else 0
+    jaxprs: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Frame:
+    """Autocast's frame of one jaxpr, and the keys of the FP8 matmuls in it."""
+
+    autocast: Any
+    prefix: str
+    count: int = 0
+
+
 class _Fp8Rules(autocast_lib._AutocastRules):
     """Autocast's rules, with FP8 for the matmuls (see the module docs)."""
 
@@ -90,8 +109,11 @@ class _Fp8Rules(autocast_lib._AutocastRules):
         self._view: dict[str, tuple[Any, Any]] = {}
         if state is not None:
             self._view = {k: (state.amax_history[k], state.scale[k]) for k in state.amax_history}
-        self._path: list[int] = []  # indices of the equations being recursed into
-        self._lengths: list[int] = []  # lengths of the scans being recursed into
+        # Keys: one component per nesting level, "<sub-jaxpr>_<position>", the position
+        # counting only the matmuls and higher-order equations of the jaxpr (so that
+        # equations a context adds, such as shard_map's `pvary`, do not move the keys),
+        # the sub-jaxpr numbering the jaxprs of one equation (the branches of a `cond`).
+        self._levels: list[_Level] = []  # the higher-order equations being recursed into
         self._no_state = 0  # depth of `_STATELESS_REGIONS`
         self._weights: dict[int, Any] = {}  # values derived from arguments by layout ops
         #: With `discover`: ``(key, loop lengths, name)`` of each stateful FP8 matmul.
@@ -99,13 +121,19 @@ class _Fp8Rules(autocast_lib._AutocastRules):
 
     # -- Control flow: keys, per-iteration state.
 
-    def _key(self, index: int) -> str:
-        return "s" + "_".join(str(i) for i in (*self._path, index))
+    def start(self, jaxpr: Any) -> Any:
+        if self._levels:
+            level = self._levels[-1]
+            ordinal = level.jaxprs.setdefault(id(jaxpr), len(level.jaxprs))
+            prefix = f"{level.prefix}_{ordinal}_"
+        else:
+            prefix = ""
+        return _Frame(super().start(jaxpr), prefix)
 
     def loop_inputs(self, eqn: Any) -> Any:
         if not self.recipe.stateful or self.discover or self._no_state:
             return None
-        prefix = "s" + "_".join(str(i) for i in self._path) + "_"
+        prefix = "s" + self._levels[-1].prefix + "_"
         inside = {k: v for k, v in self._view.items() if k.startswith(prefix)}
         return inside or None
 
@@ -123,27 +151,31 @@ class _Fp8Rules(autocast_lib._AutocastRules):
         self, frame: Any, index: int, eqn: Any, vals: list[Any], interp: Any
     ) -> list[Any] | None:
         name = eqn.primitive.name
-        region = frame.regions[index]
+        inner = frame.autocast
+        region = inner.regions[index]
+        higher = compat.has_subjaxprs(eqn.params)
+        if name in FP8_OPS or higher:
+            position = f"{frame.prefix}{frame.count}"
+            frame.count += 1
         if name in FP8_OPS and name in self.ctx.low_ops and not region:
-            outs = self._fp8(index, eqn, vals, interp)
+            outs = self._fp8(position, eqn, vals, interp)
             if outs is not None:
                 return outs
-        if not compat.has_subjaxprs(eqn.params):
-            outs = super().apply(frame, index, eqn, vals, interp)
+        if not higher:
+            outs = super().apply(inner, index, eqn, vals, interp)
             if name in _LAYOUT_OPS and outs is not None:
                 self._track_weights(vals, outs)
             return outs
-        self._path.append(index)
-        self._lengths.append(int(eqn.params["length"]) if name == "scan" else 0)
+        length = int(eqn.params["length"]) if name == "scan" else 0
+        self._levels.append(_Level(position, length))
         stateless = name in _STATELESS_REGIONS
         self._no_state += stateless
         try:
             if self.recipe.stateful and name in ("jit", "pjit") and not region:
                 return interp.inline(eqn, vals)
-            return super().apply(frame, index, eqn, vals, interp)
+            return super().apply(inner, index, eqn, vals, interp)
         finally:
-            self._path.pop()
-            self._lengths.pop()
+            self._levels.pop()
             self._no_state -= stateless
 
     # -- FP8 matmuls.
@@ -157,7 +189,7 @@ class _Fp8Rules(autocast_lib._AutocastRules):
             for out in outs:
                 self._weights[id(out.value)] = out.value  # kept alive: ids stay unique
 
-    def _fp8(self, index: int, eqn: Any, vals: list[Any], interp: Any) -> list[Any] | None:
+    def _fp8(self, position: str, eqn: Any, vals: list[Any], interp: Any) -> list[Any] | None:
         name = eqn.primitive.name
         lhs, rhs = vals[0], vals[1]
         if len(vals) != 2 or not all(autocast_lib._is_float(v.value) for v in (lhs, rhs)):
@@ -171,7 +203,7 @@ class _Fp8Rules(autocast_lib._AutocastRules):
         dtype = self.ctx.compute_dtype
         x = autocast_lib._cast(lhs.value, dtype)
         w = autocast_lib._cast(rhs.value, dtype)
-        site = self._site(index, where)
+        site = self._site(position, where)
         if name == "dot_general":
             out = fp8.fp8_dot_general(
                 x,
@@ -191,14 +223,14 @@ class _Fp8Rules(autocast_lib._AutocastRules):
             out = fp8.fp8_conv(x, w, conv, self.recipe, dtype, site=site)
         return [autocast_lib._Value(out, False)]
 
-    def _site(self, index: int, where: str) -> tuple[Any, Any] | None:
-        """The delayed-scaling state of the matmul at `index`, or None (stateless)."""
+    def _site(self, position: str, where: str) -> tuple[Any, Any] | None:
+        """The delayed-scaling state of the matmul at `position`, or None (stateless)."""
         if not self.recipe.stateful or self._no_state:
             return None
-        key = self._key(index)
+        key = "s" + position
         length = self.recipe.history_len
         if self.discover:
-            self.sites.append((key, tuple(n for n in self._lengths if n), where))
+            self.sites.append((key, tuple(v.length for v in self._levels if v.length), where))
             return fp8.initial_site_state((), length)
         if key not in self._view:
             raise ValueError(
@@ -214,6 +246,17 @@ class _Fp8Rules(autocast_lib._AutocastRules):
                 f"(history_len={length}); create the state with `fp8_init` of this recipe."
             )
         return history, scale
+
+
+def _split_abstract(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[interpret.ArgSpec, list[Any]]:
+    """`interpret.split_args`, with `jax.ShapeDtypeStruct` leaves dynamic like arrays."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    abstract = [interpret._is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+    static = tuple((i, x) for i, x in enumerate(leaves) if not abstract[i])
+    dynamic = [x for i, x in enumerate(leaves) if abstract[i]]
+    return interpret.ArgSpec(treedef, static, len(leaves)), dynamic
 
 
 class Float8Autocast(autocast_lib.Autocast):
@@ -299,7 +342,7 @@ class Float8Autocast(autocast_lib.Autocast):
         if graph is not None:
             nodes, others, nnx_state, _ = graph
             args, kwargs = (nodes, others, nnx_state), {}
-        spec, dynamic = interpret.split_args(args, kwargs)
+        spec, dynamic = _split_abstract(args, kwargs)
         jax.eval_shape(functools.partial(self._run, graph is not None, spec, marker), *dynamic)
         sites = marker.rules.sites if marker.rules is not None else []
         history, scale = {}, {}
