@@ -26,6 +26,7 @@ from jaxmp._src.fp8 import (
 )
 from jaxmp._src.fp8_autocast import Float8Autocast
 from jaxmp._src.grad import filter_value_and_grad, value_and_grad
+from jaxmp._src.inspector import Inspect, LossScaleSuggestion, OpStats, Report, inspect
 from jaxmp._src.kahan_summation import KahanSummationState, kahan_summation
 from jaxmp._src.loss_scale import (
     DynamicLossScale,
@@ -97,6 +98,11 @@ __all__ = (
     "get_loss_scale",
     "get_policy",
     "half_dtype",
+    "Inspect",
+    "LossScaleSuggestion",
+    "OpStats",
+    "Report",
+    "inspect",
     "inner_state",
     "kahan_summation",
     "loss_scale_metrics",

@@ -1,0 +1,528 @@
+"""Tests for `jaxmp.inspect`: statistics against numpy, fault injection, jit, figure, loss scale."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+import traceback
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+
+import jaxmp
+from jaxmp._src import inspector
+from tests.conftest import BF16, F16, F32, TOLERANCE
+
+FORMATS = inspector.DEFAULT_FORMATS
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics against numpy.
+
+
+def known_values(dtype):
+    """Values at every edge the statistics care about, exactly representable in `dtype`."""
+    f16_tiny = 2.0**-24
+    edges = [
+        0.0,
+        -0.0,
+        1.0,
+        -2.5,
+        f16_tiny,  # float16's smallest subnormal: kept
+        f16_tiny / 2,  # exactly half: rounds to zero (ties to even)
+        f16_tiny * 0.75,  # above half: rounds up to the subnormal
+        2.0**-10,  # float8_e4m3fn: half its smallest subnormal, flushes
+        2.0**-9.5,
+        2.0**-17,  # float8_e5m2: half its smallest subnormal
+        65504.0,  # float16's max
+        65519.0,  # rounds down to 65504
+        65520.0,  # rounds to inf
+        448.0,  # float8_e4m3fn's max
+        464.0,  # halfway to 480: ties to even, 448
+        465.0,  # NaN in float8_e4m3fn
+        57344.0,
+        61440.0,  # float8_e5m2: ties to even, inf
+        3.0e38,
+        np.inf,
+        -np.inf,
+        np.nan,
+    ]
+    if dtype == F32:
+        edges += [1e-45, -3e-39, 2.0**-126, 1e-40]  # subnormals of float32 and bfloat16
+    values = np.asarray(edges, np.float64)
+    with np.errstate(over="ignore"):
+        cast = values.astype(dtype)
+    rng = np.random.default_rng(0)
+    noise = rng.standard_normal(500) * np.exp2(rng.uniform(-40, 40, 500))
+    with np.errstate(over="ignore"):
+        noise = noise.astype(dtype)
+    return np.concatenate([cast, noise]).astype(dtype)
+
+
+def numpy_stats(x, formats=FORMATS):
+    x = np.asarray(x).astype(np.float64)
+    finite = np.isfinite(x)
+    a = np.abs(x)
+    nonzero = finite & (a > 0)
+    out = {
+        "nan": int(np.isnan(x).sum()),
+        "inf": int(np.isinf(x).sum()),
+        "max_abs": float(a[finite].max()) if finite.any() else 0.0,
+        "min_abs": float(a[nonzero].min()) if nonzero.any() else None,
+        "nonzero": int(nonzero.sum()),
+        "flush": {},
+        "overflow": {},
+    }
+    for fmt in formats:
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = x.astype(np.float32).astype(getattr(ml_dtypes, fmt, fmt)).astype(np.float64)
+        out["flush"][fmt] = int((nonzero & (cast == 0)).sum()) / max(out["nonzero"], 1)
+        out["overflow"][fmt] = int((finite & ~np.isfinite(cast)).sum()) / max(out["nonzero"], 1)
+    _, exponent = np.frexp(a[nonzero])
+    hist = np.zeros(inspector.EXPONENT_MAX - inspector.EXPONENT_MIN + 1, np.int64)
+    np.add.at(hist, np.clip(exponent - 1, inspector.EXPONENT_MIN, None) - inspector.EXPONENT_MIN, 1)
+    out["histogram"] = hist
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+def test_statistics_match_numpy_exactly(dtype):
+    x = known_values(dtype)
+    (_,), report = jax.jit(jaxmp.inspect(lambda v: [-v]))(jnp.asarray(x))
+    (row,) = report.rows
+    want = numpy_stats(-x.astype(np.float64))
+    assert (row.primitive, row.dtype, row.shape) == ("neg", dtype.name, x.shape)
+    assert (row.nan, row.inf, row.nonzero) == (want["nan"], want["inf"], want["nonzero"])
+    assert row.max_abs == want["max_abs"]
+    assert row.min_abs == want["min_abs"]
+    assert row.flush == want["flush"]
+    assert row.overflow == want["overflow"]
+    np.testing.assert_array_equal(row.histogram, want["histogram"])
+    if dtype == F32:  # the edges are there: nonzero fractions in every format
+        assert all(row.flush[f] > 0 and row.overflow[f] > 0 for f in ("float16", "float8_e4m3fn"))
+    assert row.created_nonfinite is False  # the NaN and infs came in with the input
+    assert report.reference is (dtype != F32)
+
+
+def test_edges_of_each_format():
+    x = np.array([2.0**-25, 2.0**-25 * 1.0001, 65519.0, 65520.0, 464.0, 465.0], np.float32)
+    (_,), report = jaxmp.inspect(lambda v: [v * 1.0])(x)
+    (row,) = report.rows
+    assert row.flush["float16"] == 1 / 6  # exactly 2^-25 ties to zero, just above does not
+    assert row.overflow["float16"] == 1 / 6  # 65520 overflows, 65519 rounds down
+    assert row.overflow["float8_e4m3fn"] == 3 / 6  # 464 ties down to 448; 465 is NaN
+    assert row.flush["bfloat16"] == 0 and row.overflow["bfloat16"] == 0
+
+
+def test_relative_error_and_lost_values_against_numpy():
+    x = np.concatenate([np.linspace(-3, 3, 101), [1e-9, -3e-8, 2.0**-25]], dtype=np.float64).astype(
+        np.float32
+    )
+
+    def f(v):
+        return (v.astype(jnp.float16) * jnp.float16(3.0)).astype(jnp.float32)
+
+    out, report = jax.jit(jaxmp.inspect(f))(x)
+    (mul,) = report.find("mul")
+    value = x.astype(np.float16) * np.float16(3.0)
+    reference = (x * np.float32(3.0)).astype(np.float64)  # the program evaluated in float32
+    err = np.linalg.norm(value.astype(np.float64) - reference) / np.linalg.norm(reference)
+    np.testing.assert_allclose(mul.rel_error, err, rtol=TOLERANCE[F32])
+    lost = np.sum((reference != 0) & (value == 0)) / np.sum(reference != 0)
+    assert mul.underflow == lost == 2 / 103  # 1e-9 and 2^-25; -3e-8 rounds to -2^-24
+    # Of the float32 reference 3 * x, only 3e-9 is below float16's range: 3 * 2^-25 is not,
+    # it was lost at the cast before the product.
+    assert mul.flush["float16"] == np.mean(np.abs(reference[reference != 0]) <= 2.0**-25) == 1 / 103
+    np.testing.assert_array_equal(out, value.astype(np.float32))
+    (cast,) = report.find("convert_element_type", line=None)[:1]
+    assert cast.dtype == "float16" and cast.underflow == 2 / 103
+
+
+def test_scan_rows_aggregate_every_iteration():
+    xs = np.random.default_rng(1).standard_normal((7, 5)).astype(np.float32) * 1e3
+
+    def f(xs):
+        def body(carry, x):
+            y = jnp.exp(x / 100.0)
+            return carry + y, y
+
+        return lax.scan(body, jnp.zeros(5), xs)
+
+    _, report = jax.jit(jaxmp.inspect(f))(xs)
+    (exp,) = report.find("exp")
+    assert exp.calls == 7 and exp.loops == ("scan (7 iterations)",)
+    want = numpy_stats(np.exp(xs.astype(np.float32) / np.float32(100.0)))
+    assert exp.nonzero == want["nonzero"] == 35
+    assert exp.overflow == want["overflow"] and exp.flush == want["flush"]
+    np.testing.assert_array_equal(exp.histogram, want["histogram"])
+    np.testing.assert_allclose(exp.max_abs, want["max_abs"], rtol=TOLERANCE[F32])
+
+
+def test_while_cond_remat_jit_and_custom_rules_have_rows():
+    @jax.custom_vjp
+    def clip_grad(x):
+        return jnp.sin(x)
+
+    clip_grad.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.clip(g * jnp.cos(x), -1, 1),))
+
+    @jax.jit
+    def inner(x):
+        return jnp.tanh(x) * 2.0
+
+    def f(x, pred):
+        x = jax.checkpoint(lambda v: jnp.cos(v) + 1.0)(x)
+        x = lax.cond(pred, lambda v: jnp.exp(v), lambda v: jnp.log1p(v), x)
+        start = (0, lax.stop_gradient(x).sum())  # a while loop is not differentiable
+        _, scale = lax.while_loop(lambda c: c[0] < 4, lambda c: (c[0] + 1, c[1] * 0.5), start)
+        x = x * scale
+        return jax.nn.relu(clip_grad(inner(x))).sum()
+
+    x = jnp.linspace(0.0, 1.0, 4)
+    (value, grad), report = jax.jit(jaxmp.inspect(jax.value_and_grad(f)))(x, True)
+    np.testing.assert_array_equal(value, f(x, True))
+    np.testing.assert_array_equal(grad, jax.grad(f)(x, True))
+    names = {r.primitive for r in report.rows}
+    assert {"cos", "exp", "log1p", "tanh", "sin", "min", "max"} <= names, names
+    (exp,) = report.find("exp", phase="forward")
+    (log1p,) = report.find("log1p", phase="forward")
+    assert (exp.calls, log1p.calls) == (1, 0)  # the branch not taken ran no times
+    assert log1p.loops == ("cond (branch 0 of 2)",)
+    halving = [r for r in report.find("mul", phase="forward") if r.loops == ("while (body)",)]
+    assert halving and halving[0].calls == 4
+    assert report.find("min", phase="backward")  # the custom_vjp's backward rule (clip)
+    assert all(r.phase == "backward" for r in report.find("min"))
+
+
+def test_first_nonfinite_follows_execution_order_inside_loops():
+    def f(xs):
+        def body(carry, x):
+            a = jnp.log(x)  # NaN in iteration 3 (x = -1)
+            b = 1.0 / (x - 1.0)  # inf in iteration 1 (x = 1): earlier
+            return carry + a + b, None
+
+        return lax.scan(body, 0.0, xs)[0]
+
+    xs = jnp.array([2.0, 1.0, 3.0, -1.0])
+    _, report = jaxmp.inspect(f)(xs)
+    first = report.first_nonfinite
+    assert first.primitive == "div", first
+    assert report.find("log")[0].created_nonfinite
+
+
+@pytest.mark.slow
+def test_policy_inspects_the_autocast_program():
+    def mlp(w, x):
+        return jax.nn.softmax(jnp.tanh(x @ w) @ w)
+
+    w = jax.random.normal(jax.random.key(0), (16, 16)) / 4
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    out, report = jax.jit(jaxmp.inspect(mlp, "mixed_float16"))(w, x)
+    np.testing.assert_array_equal(out, jax.jit(jaxmp.autocast(mlp, "mixed_float16"))(w, x))
+    dots = report.find("dot_general")
+    assert [r.dtype for r in dots] == ["float16", "float16"]
+    assert all(0 < r.rel_error < 1e-2 for r in dots)
+    assert report.reference and all(r.dtype == "float32" for r in report.find("exp"))
+
+
+def test_outputs_are_the_functions_own():
+    def f(w, x):
+        h = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+        return jnp.tanh(h).mean(), jnp.arange(3)
+
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    (loss, ints), _ = jax.jit(jaxmp.inspect(jax.value_and_grad(f, has_aux=True)))(w, x)
+    want = jax.jit(jax.value_and_grad(f, has_aux=True))(w, x)
+    jax.tree.map(np.testing.assert_array_equal, (loss, ints), want)
+
+
+def test_formats_and_arguments_are_checked():
+    with pytest.raises(TypeError, match="`fun` must be callable"):
+        jaxmp.inspect(3)
+    with pytest.raises(ValueError, match="`formats` must name floating dtypes.*float16"):
+        jaxmp.inspect(jnp.sin, formats=("int8",))
+    with pytest.raises(TypeError, match="`formats` must be a sequence"):
+        jaxmp.inspect(jnp.sin, formats="float16")
+    with pytest.raises(ValueError, match="policy"):
+        jaxmp.inspect(jnp.sin, "float17")
+    _, report = jaxmp.inspect(jnp.sin, formats=("float8_e4m3fn",))(jnp.ones(3))
+    assert report.formats == ("float8_e4m3fn",) and report.rows[0].flush == {"float8_e4m3fn": 0.0}
+    with pytest.raises(ValueError, match="no backward pass"):
+        report.suggest_loss_scale()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection: plain JAX, Flax Linen and Flax NNX models, each with a known fault.
+
+
+def inject(h, fault):
+    """Returns `h` after the fault; each fault's op is on its own line, named below."""
+    if fault == "overflow":
+        return jnp.exp(h.astype(jnp.float16) + 12.0).astype(jnp.float32)  # FAULT overflow
+    if fault == "underflow":
+        return h.astype(jnp.float16).astype(jnp.float32) * 1e-9  # FAULT underflow
+    if fault == "log":
+        return jnp.log(h - 100.0)  # FAULT log
+    if fault == "zero_div":
+        return (h - h) / (h - h)  # FAULT zero_div
+    raise AssertionError(fault)
+
+
+def fault_line(fault):
+    source = pathlib.Path(__file__).read_text().splitlines()
+    (line,) = [i + 1 for i, text in enumerate(source) if text.endswith(f"# FAULT {fault}")]
+    return line
+
+
+# The op that goes wrong, and the pass in which it does.
+FAULT_OPS = {
+    "overflow": ("exp", "forward"),
+    # d(1e-9 * h)/dh is 1e-9, below float16's smallest subnormal: the backward pass's cast
+    # to float16 (the transpose of `astype(float32)`) flushes it to zero.
+    "underflow": ("convert_element_type", "backward"),
+    "log": ("log", "forward"),
+    "zero_div": ("div", "forward"),
+}
+
+
+def jax_model(fault):
+    def loss(params, x):
+        with jax.named_scope("encoder"), jax.named_scope("block"):
+            h = jnp.tanh(x @ params["w"])
+            h = inject(h, fault)
+        return jnp.mean(h * params["v"])
+
+    params = {"w": jnp.full((4, 4), 0.1), "v": jnp.ones(4)}
+    return jax.value_and_grad(loss), (params, jnp.ones((2, 4))), "encoder/block"
+
+
+class LinenBlock(nn.Module):
+    fault: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(4, name="proj")(x))
+        return inject(h, self.fault)
+
+
+class LinenModel(nn.Module):
+    fault: str
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.mean(LinenBlock(self.fault, name="block")(x))
+
+
+def linen_model(fault):
+    model = LinenModel(fault)
+    x = jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+    return jax.value_and_grad(model.apply), (variables, x), "LinenModel/block"
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, fault, rngs):
+        self.fault = fault
+        self.proj = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return inject(jnp.tanh(self.proj(x)), self.fault)
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, fault, rngs):
+        self.block = NNXBlock(fault, rngs)
+
+    def __call__(self, x):
+        return jnp.mean(self.block(x))
+
+
+def nnx_model(fault):
+    model = NNXModel(fault, nnx.Rngs(0))
+
+    def step(model, x):
+        return nnx.value_and_grad(lambda m, x: m(x))(model, x)
+
+    return step, (model, jnp.ones((2, 4))), "NNXModel/block"
+
+
+def debug_check(fn, args, flag):
+    """The primitive and the line of this file that ``jax_debug_nans`` (or infs) names."""
+    try:
+        with jax.debug_nans(flag == "nans"), jax.debug_infs(flag == "infs"):
+            jax.block_until_ready(jax.jit(fn)(*args))
+    except FloatingPointError as e:
+        primitive = re.search(r"encountered in (\w+)", str(e))[1]
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == __file__]
+        return primitive, lines[-1]
+    return None
+
+
+MODELS = {"jax": jax_model, "linen": linen_model, "nnx": nnx_model}
+# One fault per model in the default run, every model with every fault in the slow one.
+FAST = {("jax", "log"), ("linen", "overflow"), ("nnx", "underflow"), ("nnx", "zero_div")}
+CASES = [
+    pytest.param(m, f, marks=() if (m, f) in FAST else pytest.mark.slow, id=f"{m}-{f}")
+    for m in MODELS
+    for f in FAULT_OPS
+]
+
+
+@pytest.mark.parametrize(("model", "fault"), CASES)
+def test_fault_is_named_with_module_and_line(model, fault, capsys):
+    fn, args, module = MODELS[model](fault)
+    _, report = jaxmp.inspect(fn)(*args)
+    op, phase = FAULT_OPS[fault]
+    line = fault_line(fault)
+    if fault == "underflow":
+        # The first row, in program order, to lose values to underflow.
+        row = next(r for r in report.rows if r.underflow)
+        assert row.underflow == 1.0 and row.flush["float16"] == 1.0
+        assert report.first_nonfinite is None
+        assert debug_check(fn, args, "nans") is None
+    else:
+        row = report.first_nonfinite
+        assert row is not None and row.created_nonfinite
+        # jax_debug_nans names NaN sources; an overflow to inf is jax_debug_infs' business.
+        flag = "infs" if fault == "overflow" else "nans"
+        assert debug_check(fn, args, flag) == (row.primitive, row.line)
+    assert (row.primitive, row.phase, row.module, row.line) == (op, phase, module, line)
+    assert row.file == __file__ and row.function == "inject"
+    # The table names it too, first.
+    text = str(report)
+    first_row = next(t for t in text.splitlines() if t.startswith("  ") and t.split()[0].isdigit())
+    assert f"test_inspector.py:{line}" in first_row and op in first_row
+    assert f"module {module}" in text
+    capsys.readouterr()
+
+
+# ---------------------------------------------------------------------------------------------
+# Under jit, inside a train step.
+
+
+def test_inside_a_jitted_train_step_traced_once():
+    traces = []
+
+    def loss(w, x):
+        traces.append(1)
+        h = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+        return jnp.mean(h**2)
+
+    grad_fn = jax.value_and_grad(loss)
+    inspected = jaxmp.inspect(grad_fn)
+
+    @jax.jit
+    def step(w, x):
+        loss, g = grad_fn(w, x)
+        return w - 0.1 * g, loss
+
+    @jax.jit
+    def inspected_step(w, x):
+        (loss, g), report = inspected(w, x)
+        return w - 0.1 * g, loss, report
+
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    reports = []
+    for i in range(6):
+        if i % 2 == 0:  # every other step
+            new_w, value, report = inspected_step(w, x)
+            reports.append(report)
+            np.testing.assert_array_equal(new_w, step(w, x)[0])
+        w, value = step(w, x)
+    assert len(traces) == 2  # one trace per jitted function, none per step
+    assert isinstance(reports[0], jaxmp.Report)
+    maxima = [r.find("dot_general", phase="forward")[0].max_abs for r in reports]
+    assert maxima[0] != maxima[1] != maxima[2]  # each step's own values
+
+
+def test_eager_call_compiles_once_per_signature():
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return jnp.exp(x)
+
+    inspected = jaxmp.inspect(f)
+    for _ in range(3):
+        inspected(jnp.ones(3))
+    inspected(jnp.ones(4))
+    assert len(traces) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss scale suggestion.
+
+
+def test_suggest_loss_scale_against_numpy():
+    grads = np.array([3.0e-9, 2.0e-7, 1e-5, 0.5, 40.0], np.float32)
+
+    def f(w):
+        # Each gradient element is `grads` (times the loss scale of 8 the program applies).
+        return jnp.sum(w.astype(jnp.float16).astype(jnp.float32) * grads * 8.0)
+
+    _, report = jaxmp.inspect(jax.grad(f))(jnp.ones(5, jnp.float32))
+    suggestion = report.suggest_loss_scale(loss_scale=8.0)
+    # Largest backward value stored in float16: 40 * 8 = 320; 320 * 2 * 2^k <= 65504.
+    assert suggestion.loss_scale == 8.0 * 2.0**6
+    assert suggestion.format == "float16" and suggestion.margin == 2.0
+    scaled = grads.astype(np.float64) * 8.0 * 2.0**6
+    assert suggestion.underflow == np.mean(scaled < 2.0**-25) == 0.0
+    assert suggestion.current_underflow == np.mean(grads * 8.0 < 2.0**-25) == 1 / 5
+    assert suggestion.loss_scale * 320 / 8.0 * 2 <= 65504 < suggestion.loss_scale * 320 / 8.0 * 4
+    assert "2^9" in str(suggestion)
+    with pytest.raises(ValueError, match="`margin` must be a number of at least 1"):
+        report.suggest_loss_scale(margin=0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the report: table, JSON, figure.
+
+
+@pytest.fixture(scope="module")
+def overflow_report():
+    fn, args, _ = jax_model("overflow")
+    return jaxmp.inspect(fn)(*args)[1]
+
+
+def test_json_round_trip_and_table(overflow_report):
+    report = overflow_report
+    data = json.loads(report.to_json())
+    assert data["formats"] == list(FORMATS)
+    assert data["first_nonfinite"] == report.first_nonfinite.index
+    row = data["rows"][report.first_nonfinite.index]
+    assert row["primitive"] == "exp" and row["module"] == "encoder/block"
+    assert row["histogram"]["exponent_min"] is not None
+    assert len(data["rows"]) == len(report)
+    table = report.table(limit=3)
+    assert "3 worst of" in table and table.count("\n  ") >= 4
+    assert "first non-finite value: exp (forward)" in table
+
+
+def test_figure_is_labelled(overflow_report, tmp_path):
+    report = overflow_report
+    path = tmp_path / "inspect.png"
+    fig = report.plot(path, title="a model")
+    assert path.stat().st_size > 10_000
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"} <= set(texts)
+    assert any("overflow" in t for t in texts)
+    labels = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
+    assert "encoder/block" in labels
+    assert all("log2 |x|" in ax.get_xlabel() for ax in fig.axes[1::2])
+    assert "a model" in fig._suptitle.get_text()
+
+
+def test_figure_without_matplotlib_says_what_to_install(monkeypatch):
+    _, report = jaxmp.inspect(jnp.sin)(jnp.ones(3))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        report.plot()
