@@ -238,6 +238,26 @@ def test_state_shardings_needed_on_auto_meshes_only(sharded_jit):
     assert prop["auto"]["state_shardings_follow_params"] is True
 
 
+def test_finiteness_check_moves_no_leaf_between_devices():
+    # Same-shape leaves split by rows and by columns (a tensor-parallel layer's projections):
+    # checking them together would reshard one of them at every step (all-to-all under Auto
+    # axes) or fail to trace (Explicit axes); each is reduced where it lives.
+    result = run_script("finite_check_shardings.py")
+    assert result["auto"] == {
+        "all-gather": 0,
+        "all-reduce": 1,  # the one decision, shared by every device
+        "all-to-all": 0,
+        "collective-permute": 0,
+        "reduce-scatter": 0,
+    }
+    assert result["explicit"] == {
+        "skipped": True,
+        "params_kept": True,
+        "finite_step_moved_every_leaf": True,
+        "specs_kept": True,
+    }
+
+
 @pytest.fixture(scope="module")
 def shard_map_steps(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("shard_map")

@@ -268,6 +268,49 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", None) or ())
 
 
+def sharding_group(x: Any) -> Any:
+    """A key under which arrays can be combined element by element without moving data.
+
+    Arrays of one shape with equal keys may be stacked or combined (`jaxmp.all_finite`
+    reduces them together): ``None`` where that is always free (one device; or inside
+    ``shard_map``, where values are per-device), the partition spec of the value's type
+    where the mesh has ``Explicit`` axes (``jax.typeof(x).sharding``, jax 0.8 to 0.12;
+    combining two specs there is an error), and ``id(x)``, never shared, where the
+    compiler chooses the shardings (``Auto`` axes on several devices): there it could
+    reshard a leaf to combine it with another, moving it between devices at every step.
+    """
+    if jax.device_count() == 1:
+        return None
+    explicit = explicit_sharding(x)
+    if explicit is not None:
+        return explicit.spec
+    axis_types = _axis_types(x)
+    if axis_types and all(t == jax.sharding.AxisType.Manual for t in axis_types):
+        return None
+    return id(x)
+
+
+def _axis_types(x: Any) -> tuple[Any, ...]:
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return tuple(getattr(mesh, "axis_types", ()) or ())
+
+
+def explicit_sharding(x: Any) -> Any:
+    """The sharding in the type of `x` where its mesh has ``Explicit`` axes, else None.
+
+    ``jax.typeof(x).sharding`` (jax 0.8 to 0.12): with ``Explicit`` axes (``jax.set_mesh``)
+    operands of one operation must agree on it, so values made to meet `x` take it too.
+    """
+    if not any(t == jax.sharding.AxisType.Explicit for t in _axis_types(x)):
+        return None
+    return jax.typeof(x).sharding
+
+
+def reshard(x: Any, sharding: Any) -> Any:
+    """``jax.sharding.reshard`` (jax 0.8 to 0.12): `x` with the explicit `sharding`."""
+    return jax.sharding.reshard(x, sharding)
+
+
 def lowered_primitive_names() -> set[str]:
     """Names of every primitive with a lowering rule (shard_map and Pallas ones once imported)."""
     names = {p.name for p in resolve("mlir_lowerings")}

@@ -88,16 +88,21 @@ class _Broadcasts:
 
     def __init__(self, **scalars: jax.Array):
         self._scalars = scalars
-        self._made: dict[tuple[str, tuple[int, ...], Any], jax.Array] = {}
+        self._made: dict[tuple[str, tuple[int, ...], Any, Any], jax.Array] = {}
 
-    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any = None) -> jax.Array:
-        key = (name, shape, dtype)
+    def __call__(self, name: str, like: Any, dtype: Any = None) -> jax.Array:
+        """Scalar `name` broadcast to the shape (and explicit sharding) of the array `like`."""
+        shape, sharding = jnp.shape(like), compat.explicit_sharding(like)
+        key = (name, shape, dtype, sharding)
         made = self._made.get(key)
         if made is None:
             value = self._scalars[name] if name != "zero" else jnp.zeros((), dtype)
             if dtype is not None and jnp.dtype(value.dtype) != dtype:
                 value = value.astype(dtype)
-            made = self._made[key] = value if shape == () else jax.lax.broadcast(value, shape)
+            made = value if shape == () else jax.lax.broadcast(value, shape)
+            if sharding is not None and shape != ():
+                made = compat.reshard(made, sharding)  # a local slice of a replicated scalar
+            self._made[key] = made
         return made
 
 
@@ -133,7 +138,7 @@ def _unscale(loss_scale: loss_scale_lib.LossScale, tree: Any) -> Any:
         if noop:
             return x
         if isinstance(x, jax.Array):
-            return jax.lax.mul(x, broadcasts("inv", jnp.shape(x), dtype))
+            return jax.lax.mul(x, broadcasts("inv", x, dtype))
         return x * inv.astype(dtype)
 
     return jax.tree.map(leaf, tree)
@@ -166,11 +171,11 @@ def _zero_unless(finite: jax.Array | _Broadcasts, tree: Any) -> Any:
 
     def leaf(x):
         if _is_numeric_array(x):
-            shape, dtype = jnp.shape(x), jnp.dtype(x.dtype)
-            return jax.lax.select(broadcasts("finite", shape), x, broadcasts("zero", shape, dtype))
+            dtype = jnp.dtype(x.dtype)
+            return jax.lax.select(broadcasts("finite", x), x, broadcasts("zero", x, dtype))
         if not _is_number(x):
             return x
-        return jnp.where(broadcasts("finite", ()), x, jnp.zeros_like(x))
+        return jnp.where(broadcasts("finite", jnp.float32(0)), x, jnp.zeros_like(x))
 
     return jax.tree.map(leaf, tree)
 
@@ -383,7 +388,7 @@ def _update_selecting_at_source(
         if old is None:
             env[var] = value
             return
-        selected = jax.lax.select(shared("finite", jnp.shape(value)), value, old)
+        selected = jax.lax.select(shared("finite", value), value, old)
         if jax.typeof(selected) != jax.typeof(value):
             # The select changed the value's type: under `shard_map(check_vma=True)`, a
             # device-varying `finite` makes an invariant value (Adam's count) varying,
@@ -409,9 +414,7 @@ def _update_selecting_at_source(
     for var, value, old in zip(state_vars, outs[n_updates:], s_leaves, strict=True):
         done = not isinstance(var, compat.Literal) and old_of.get(var) is not None
         value = jnp.asarray(value)
-        new_state.append(
-            value if done else jax.lax.select(shared("finite", value.shape), value, old)
-        )
+        new_state.append(value if done else jax.lax.select(shared("finite", value), value, old))
     return (
         _zero_unless(shared, new_updates),
         jax.tree.unflatten(jax.tree.structure(s_shape), new_state),

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr
 
-from jaxmp._src import dtypes
+from jaxmp._src import compat, dtypes
 
 T = TypeVar("T")
 
@@ -76,14 +76,18 @@ def _all_of(leaves: list[Any], mask: Any) -> jax.Array:
     then grows with the number of distinct leaf shapes, not with the number of leaves (an
     unscanned transformer repeats a dozen shapes per layer). Leaves of different shapes are
     not concatenated: XLA splits a reduction of a concatenation into one per operand.
+    Nor are leaves that may be sharded differently (`compat.sharding_group`): combining
+    them would move one to the other's devices.
     """
-    groups: dict[tuple[Any, tuple[int, ...]], list[jax.Array]] = {}
+    groups: dict[tuple[Any, tuple[int, ...], Any], list[jax.Array]] = {}
     for x in leaves:
-        groups.setdefault((jnp.dtype(x.dtype), jnp.shape(x)), []).append(x)
+        key = (jnp.dtype(x.dtype), jnp.shape(x), compat.sharding_group(x))
+        groups.setdefault(key, []).append(x)
     results, rows = [], []
-    for (_, shape), group in groups.items():
+    for (_, shape, sharding), group in groups.items():
         for chunk in _chunks(group):
-            if math.prod(shape) < _ROWS_FROM:
+            # A sharded leaf is reduced whole: reshaped into rows, it could be resharded.
+            if sharding is not None or math.prod(shape) < _ROWS_FROM:
                 results.append(_combined(chunk, mask).all())
             else:
                 rows.append(_rows_all(chunk, mask))
