@@ -1240,7 +1240,7 @@ class Report:
 
         Args:
           path: where to save it as PNG (nothing is saved when None).
-          **kwargs: ``max_modules`` (default 16: the modules holding the most values, the
+          **kwargs: ``max_modules`` (default 32: the modules holding the most values, the
             others pooled) and ``title``.
 
         Returns:

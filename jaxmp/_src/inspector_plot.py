@@ -46,16 +46,20 @@ def _format_range(fmt: str) -> tuple[float, float, float]:
     )
 
 
-def _short_module(name: str, width: int = 34) -> str:
+def _short_module(name: str, width: int = 40) -> str:
+    """`name`, its middle elided to fit `width`: the model's name and the op's scope stay."""
     name = name or "(no module)"
-    return name if len(name) <= width else "..." + name[-(width - 3) :]
+    if len(name) <= width:
+        return name
+    head = width // 3
+    return name[:head] + "..." + name[-(width - head - 3) :]
 
 
 def plot(
     report: inspector.Report,
     path: str | os.PathLike[str] | None = None,
     *,
-    max_modules: int = 16,
+    max_modules: int = 32,
     title: str | None = None,
 ) -> Any:
     """See `jaxmp.Report.plot`."""
@@ -96,7 +100,7 @@ def plot(
     lo, hi = max(lo, inspector.EXPONENT_MIN - 1), min(hi, inspector.EXPONENT_MAX + 2)
 
     n = len(modules)
-    fig = plt.figure(figsize=(6.2 * len(phases) + 2.4, 2.4 + 0.42 * n + 0.3 * len(report.formats)))
+    fig = plt.figure(figsize=(6.2 * len(phases) + 2.6, 2.6 + 0.42 * n + 0.3 * len(report.formats)))
     grid = fig.add_gridspec(
         2,
         len(phases),
@@ -134,7 +138,8 @@ def plot(
             counts = hist[(module, phase)]
             total = counts.sum()
             if total:
-                heights = counts / counts.max() * 0.85
+                # Log counts: the tails a format loses (a few values in a million) stay visible.
+                heights = np.log1p(counts) / np.log1p(counts.max()) * 0.85
                 ax.stairs(heights + base, edges, baseline=base, fill=True, color=color, alpha=0.6)
                 ax.stairs(heights + base, edges, baseline=base, color=color, lw=0.8)
             ax.axhline(base, color="gray", lw=0.4)
@@ -145,14 +150,16 @@ def plot(
             if over[(module, phase)]:
                 notes.append(f"{100 * over[(module, phase)] / nz:.2g}% overflow")
             if notes:
+                # At the left edge, where values are rare, on a white box over the histogram.
                 ax.text(
-                    hi - 0.3,
-                    base + 0.45,
+                    lo + 0.5,
+                    base + 0.55,
                     f"{_short_dtype(fmt0)}: " + ", ".join(notes),
-                    ha="right",
+                    ha="left",
                     va="center",
                     fontsize=7,
                     color="C3",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
                 )
         ax.set_ylim(-0.2, n)
         ax.set_yticks([n - 1 - i + 0.35 for i in range(n)])
@@ -164,15 +171,16 @@ def plot(
     head = title + "\n" if title else ""
     kind = "float32 reference values" if report.reference else "values"
     fig.suptitle(
-        f"{head}Exponents of the {kind} of each module's ops, each histogram scaled to its "
-        f"peak; red: beyond {fmt0}'s range (rounds to zero below 2^{sub0 - 1:g}, overflows "
-        f"above 2^{max0:.3g})",
+        f"{head}Exponents of the {kind} of each module's ops (height: log of the count, "
+        f"scaled to each histogram's peak)\nred: beyond {fmt0}'s range (rounds to zero below "
+        f"2^{sub0 - 1:g}, overflows above 2^{max0:.3g}); red text: % of the module's values "
+        f"that would flush to zero or overflow in {fmt0}",
         fontsize=10,
     )
     fig.subplots_adjust(
         left=0.2,
         right=0.98,
-        top=1 - 0.9 / fig.get_figheight(),
+        top=1 - 1.35 / fig.get_figheight(),
         bottom=0.45 / fig.get_figheight() + 0.02,
     )
     if path is not None:
