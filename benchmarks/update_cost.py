@@ -180,6 +180,17 @@ def _flax(inner):
     return init, step
 
 
+LOW_MEMORY = [
+    ("round-to-nearest", {}),
+    ("stochastic", dict(rounding="stochastic")),
+    ("kahan", dict(rounding="kahan")),
+    ("stochastic, bf16 moments", dict(rounding="stochastic", moments="bf16")),
+    ("kahan, bf16 moments", dict(rounding="kahan", moments="bf16")),
+    ("stochastic, int8 moments", dict(rounding="stochastic", moments="int8")),
+    ("stochastic, fp8 moments", dict(rounding="stochastic", moments="fp8")),
+]
+
+
 def variants(learning_rate: float = 1e-3) -> list[tuple[str, str, Any, Any]]:
     """(name, param dtype, init, step) for every measured approach."""
     adam = optax.adam(learning_rate)
@@ -213,6 +224,10 @@ def variants(learning_rate: float = 1e-3) -> list[tuple[str, str, Any, Any]]:
          *tx(jaxmp.loss_scaling(jaxmp.master_weights(adam, count_saturated=True), ls))),
         ("jaxmp.loss_scaling(master_weights(adam), check_outputs=True)", "float16",
          *tx(jaxmp.loss_scaling(jaxmp.master_weights(adam), ls, check_outputs=True))),
+        # Low memory: bfloat16 params without a master copy (docs/guides/low_memory.md).
+        *[(f"jaxmp.mixed_precision(adam, 'p=bf16,c=bf16', {text})", "bfloat16",
+           *tx(jaxmp.mixed_precision(adam, "p=bf16,c=bf16", master_weights=False, **kw)))
+          for text, kw in LOW_MEMORY],
     ]  # fmt: skip
 
 
