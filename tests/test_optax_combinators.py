@@ -386,7 +386,8 @@ def test_half_params_without_master_weights(name, dtype):
 # --- combinators around loss_scaling ----------------------------------------------------
 # `loss_scaling` must see the gradients first and decide every step. After it, a
 # transformation of the updates works; the sections below show what goes wrong with each
-# wrapper that sits around it instead (so the README's advice, put it outermost, stays true).
+# wrapper that sits around it instead (so the advice of docs/reference/semantics.md, put it
+# outermost, stays true).
 
 
 def _run(tx: Any, sequence: list, wrapper: str = "loss_scaling", lookahead: bool = False):

@@ -104,7 +104,7 @@ def resolve(name: str) -> Any:
             return found
     raise ImportError(
         f"jaxmp needs {' or '.join(places)}, which jax {jax.__version__} does not have; "
-        "this JAX version is outside jaxmp's supported range (see README)."
+        "this JAX version is outside jaxmp's supported range (README, 'Supported versions')."
     )
 
 

@@ -80,7 +80,7 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
     is all this does: `loss_scaling` itself belongs outermost, followed at most by
     transformations of its updates, and by none when a master copy is kept
     (wrappers such as `optax.MultiSteps` or `optax.apply_if_finite` around it hide
-    overflows from the scaler; see README, "Composition").
+    overflows from the scaler; see docs/reference/semantics.md, "Composition").
 
     Args:
       opt_state: an optimizer state, or an object with an ``opt_state``.
