@@ -73,6 +73,9 @@ COMPARE_ORDER = (
     "bf16_stochastic_rounding",
     "bf16_kahan_summation",
     "bf16_8bit_states",
+    "mixed_fp8",
+    "mixed_fp8_delayed",
+    "mixed_fp8_block",
 )
 COLUMNS = (
     "step",
@@ -89,6 +92,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # shape=(), dtype=int32; optimizer steps taken, skipped ones included
     params: Any  # in policy.param_dtype
     opt_state: Any  # jaxmp.mixed_precision's state: loss scale, FP32 master weights if any
+    fp8_state: Any = None  # jaxmp.Float8State with `fp8: delayed`, else None
 
 
 @dataclasses.dataclass
@@ -189,7 +193,9 @@ def make_init(config: config_lib.Config, vocab_size: int, tx):
         params_f32 = init_model.init(rng, tokens)["params"]
         opt_state = tx.init(params_f32)
         params = config.policy.cast_to_param(params_f32)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+        fp8 = make_fp8_apply(config, make_model(config, vocab_size))
+        fp8_state = fp8.fp8_init({"params": params}, tokens) if config.fp8 == "delayed" else None
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, fp8_state)
 
     return init
 
@@ -216,13 +222,36 @@ def programs(config: config_lib.Config, vocab_size: int) -> Programs:
         tx=tx,
         init=jax.jit(make_init(config, vocab_size, tx)),
         train_step=make_train_step(config, model, tx),
-        eval_step=make_eval_step(model),
+        eval_step=make_eval_step(model, make_fp8_apply(config, model)),
     )
 
 
-def make_loss_fn(model: model_lib.TransformerLM):
-    def loss_fn(params, inputs, targets):
-        return model_lib.cross_entropy(model.apply({"params": params}, inputs), targets)
+def make_fp8_apply(config: config_lib.Config, model: model_lib.TransformerLM):
+    """``model.apply`` with the linear layers in FP8 (config key `fp8`); None without FP8.
+
+    Only the matmuls change: everything else runs as the model writes it. The head and the
+    attention's products of activations (einsums, named by their equation) stay out of FP8.
+    """
+    if config.fp8_recipe is None:
+        return None
+    return jaxmp.autocast(
+        model.apply,
+        config.policy,
+        low_precision_ops=("dot_general",),
+        float32_ops=(),
+        fp8=config.fp8_recipe,
+        fp8_exclude=("TransformerLM/head", r".*/attn/.*->.*"),
+    )
+
+
+def make_loss_fn(model: model_lib.TransformerLM, fp8: Any = None):
+    """``(params, inputs, targets, fp8_state=None) -> loss``; `fp8` from `make_fp8_apply`."""
+
+    def loss_fn(params, inputs, targets, fp8_state=None):
+        apply = model.apply if fp8 is None else fp8
+        if fp8_state is not None:
+            apply = fp8.with_fp8_state(fp8_state)
+        return model_lib.cross_entropy(apply({"params": params}, inputs), targets)
 
     return loss_fn
 
@@ -235,12 +264,18 @@ def make_train_step(config: config_lib.Config, model: model_lib.TransformerLM, t
     the norm of the gradients passed to ``tx.update`` (scaled, so it follows the loss scale:
     `check_gradients_are_scaled` relies on that).
     """
-    del config  # The step depends on the config only through `model` and `tx`.
-    grad_fn = jaxmp.value_and_grad(make_loss_fn(model))
+    # With delayed FP8 scaling, the "gradient" of the FP8 state is the next state
+    # (docs/guides/fp8.md); a skipped step keeps the old one.
+    delayed = config.fp8 == "delayed"
+    loss_fn = make_loss_fn(model, make_fp8_apply(config, model))
+    grad_fn = jaxmp.value_and_grad(loss_fn, argnums=(0, 3) if delayed else 0)
 
     def train_step(state: TrainState, inputs: jax.Array, targets: jax.Array):
         loss_scale = jaxmp.get_loss_scale(state.opt_state)
-        loss, grads = grad_fn(loss_scale, state.params, inputs, targets)
+        loss, grads = grad_fn(loss_scale, state.params, inputs, targets, state.fp8_state)
+        fp8_state = None
+        if delayed:
+            grads, fp8_state = grads
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
@@ -248,19 +283,29 @@ def make_train_step(config: config_lib.Config, model: model_lib.TransformerLM, t
             "grad_norm": grad_norm(grads),
             **jaxmp.loss_scale_metrics(opt_state),
         }
-        return TrainState(state.step + 1, params, opt_state), metrics
+        if delayed:
+            finite = metrics["grads_finite"]
+            fp8_state = jax.tree.map(
+                lambda new, old: jnp.where(finite, new, old), fp8_state, state.fp8_state
+            )
+        return TrainState(state.step + 1, params, opt_state, fp8_state), metrics
 
     return train_step
 
 
-def make_eval_step(model: model_lib.TransformerLM):
-    """The (unjitted) eval step ``(params, inputs, targets) -> mean loss``."""
-    return make_loss_fn(model)
+def make_eval_step(model: model_lib.TransformerLM, fp8: Any = None):
+    """The (unjitted) eval step ``(params, inputs, targets, fp8_state=None) -> mean loss``."""
+    return make_loss_fn(model, fp8)
 
 
-def evaluate(eval_step, params: Any, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+def evaluate(
+    eval_step,
+    params: Any,
+    batches: Sequence[tuple[np.ndarray, np.ndarray]],
+    fp8_state: Any = None,
+) -> float:
     """Mean loss (nats/char) over `batches` (all of the same size)."""
-    losses = [eval_step(params, inputs, targets) for inputs, targets in batches]
+    losses = [eval_step(params, inputs, targets, fp8_state) for inputs, targets in batches]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -728,7 +773,9 @@ def train_and_evaluate(
                 scale = new_scale
                 record_val = None
                 if step % config.eval_interval == 0 or step == config.steps:
-                    val_loss = record_val = evaluate(eval_step, new_state.params, val_batches)
+                    val_loss = record_val = evaluate(
+                        eval_step, new_state.params, val_batches, new_state.fp8_state
+                    )
                     log(
                         f"step {step}: train loss {float(metrics['loss']):.4f}, "
                         f"val loss {val_loss:.4f} nats/char"
@@ -777,7 +824,7 @@ def train_and_evaluate(
         raise KeyboardInterrupt
 
     if val_loss is None or not history or history[-1]["val_loss"] is None:
-        val_loss = evaluate(eval_step, state.params, val_batches)
+        val_loss = evaluate(eval_step, state.params, val_batches, state.fp8_state)
     sample = ""
     if sample_length:
         sample = generate(model, state.params, dataset, length=sample_length, seed=config.seed)

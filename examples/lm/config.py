@@ -25,6 +25,14 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 LOSS_SCALE_KINDS = ("auto", "dynamic", "static", "none")
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 MOMENT_FORMATS = ("float32", "bfloat16", "int8", "fp8")
+# The `fp8` key: the recipe of the model's FP8 matmuls (docs/guides/fp8.md), or none.
+FP8_RECIPES = {
+    "none": None,
+    "current": jaxmp.Float8CurrentScaling(),
+    "delayed": jaxmp.DelayedScaling(history_len=16),
+    "block": jaxmp.Float8BlockScaling(),
+    "mxfp8": jaxmp.MXFP8BlockScaling(),
+}
 _BOOLS = {"true": True, "yes": True, "on": True, "1": True,
           "false": False, "no": False, "off": False, "0": False}  # fmt: skip
 
@@ -42,6 +50,12 @@ class Config:
     and ``rounding`` says how each update is rounded to the params' dtype (``nearest``,
     ``stochastic`` or ``kahan``); ``first_moment`` and ``second_moment`` store Adam's moments
     in ``bfloat16``, ``int8`` or ``fp8`` between steps (`jaxmp.mixed_precision`'s options).
+
+    ``fp8`` runs the model's linear layers (attention projections and MLP) in FP8 under
+    `jaxmp.autocast` with a recipe: ``current``, ``delayed`` (history of 16 steps), ``block``
+    (DeepSeek-V3's 1x128 / 128x128) or ``mxfp8``; ``none`` (the default) keeps them in the
+    policy's compute dtype. The output head and the attention's two products of activations
+    stay in the compute dtype, as in Transformer Engine's and DeepSeek-V3's recipes.
     """
 
     name: str = "run"
@@ -57,6 +71,7 @@ class Config:
     rounding: str = "nearest"
     first_moment: str = "float32"
     second_moment: str = "float32"
+    fp8: str = "none"
     # Model.
     num_layers: int = 2
     num_heads: int = 4
@@ -169,6 +184,11 @@ class Config:
                 f"config key `val_fraction` must be in (0, 1), got {self.val_fraction!r}."
             )
         self._check_low_memory()
+        if self.fp8 not in FP8_RECIPES:
+            hint = _did_you_mean(self.fp8, FP8_RECIPES)
+            raise ValueError(
+                f"config key `fp8` must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}.{hint}"
+            )
 
     def _check_low_memory(self) -> None:
         """The low-memory keys, checked by jaxmp itself: one line naming the keys."""
@@ -220,7 +240,14 @@ class Config:
             text += ", f32 master copy" if self.master_weights else f", no master copy, {rounding}"
         if (self.first_moment, self.second_moment) != ("float32", "float32"):
             text += f", moments {self.first_moment}/{self.second_moment}"
+        if self.fp8 != "none":
+            text += f", FP8 {self.fp8} scaling"
         return text
+
+    @property
+    def fp8_recipe(self) -> Any:
+        """The jaxmp FP8 recipe of the `fp8` key, or None."""
+        return FP8_RECIPES[self.fp8]
 
     def make_loss_scale(self) -> jaxmp.LossScale | None:
         """The configured loss scale; None for "auto" (`jaxmp.mixed_precision` chooses)."""
