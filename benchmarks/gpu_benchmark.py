@@ -11,7 +11,11 @@ two rows train a deep unscanned model (24 layers, 294 parameter leaves) in float
 mixed_float16 with jaxmp, and three rows compile the optimizer update alone over 2,000
 leaves (`compile_cost.py`'s programs: plain `optax.adam`, `jaxmp.loss_scaling(adam)` and
 `jaxmp.mixed_precision` with float16 params); their "compile vs ref" column is the ratio of
-lower + compile time to the first row of their group.
+lower + compile time to the first row of their group. The FP8 rows run mixed_bfloat16 with
+the linear layers' matmuls in FP8 (`jaxmp.autocast` with a recipe: current, delayed and block
+scaling; the head and attention's products of activations stay in bfloat16, as in
+examples/train.py's ``fp8`` key); a line after the table gives their tokens/s over the
+mixed_bfloat16 row's (the target on a Hopper GPU is 1.3x or more).
 
 Needs only jax, flax, optax, numpy and jaxmp (jmp is used when installed). It limits itself to
 ``--budget-s`` seconds (default 420), rows that do not fit are reported as skipped.
@@ -36,7 +40,11 @@ import _hlo  # noqa: E402
 import _model  # noqa: E402
 import compile_cost  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 import update_cost  # noqa: E402
+
+import jaxmp  # noqa: E402
 
 # (label, approach, precision, config), most important first (the time budget may cut the
 # last); the first row of each config is the reference for its speed-up and ratios.
@@ -44,6 +52,9 @@ ROWS = [
     ("float32, optax.adam", "optax", "float32", "gpu"),
     ("mixed_float16, jaxmp", "jaxmp", "mixed_float16", "gpu"),
     ("mixed_bfloat16, jaxmp", "jaxmp", "mixed_bfloat16", "gpu"),
+    ("mixed_bfloat16 + FP8 current, jaxmp", "fp8", "current", "gpu"),
+    ("mixed_bfloat16 + FP8 delayed, jaxmp", "fp8", "delayed", "gpu"),
+    ("mixed_bfloat16 + FP8 block, jaxmp", "fp8", "block", "gpu"),
     ("float32, jaxmp", "jaxmp", "float32", "gpu"),
     ("mixed_float16, hand-written", "manual", "mixed_float16", "gpu"),
     ("deep: float32, optax.adam", "optax", "float32", "gpu_deep"),
@@ -55,10 +66,67 @@ COMPILE_ROWS = [
     ("update: jaxmp.loss_scaling(adam)", "jaxmp.loss_scaling(adam)"),
     ("update: mixed_precision p=f16", "jaxmp.mixed_precision(adam, 'p=f16,c=f16')"),
 ]
+BF16_ROW = "mixed_bfloat16, jaxmp"
+# The FP8 rows' recipes (the "precision" of an "fp8" row) and the matmuls kept in bfloat16:
+# the head (the model's only top-level Dense) and the attention einsums, named by equation.
+FP8_RECIPES = {
+    "current": jaxmp.Float8CurrentScaling(),
+    "delayed": jaxmp.DelayedScaling(history_len=16),
+    "block": jaxmp.Float8BlockScaling(),
+}
+FP8_EXCLUDE = ("CharTransformer/Dense_0", r".*->.*")
+
+
+def make_fp8_step(recipe_name: str, config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any]:
+    """``(init, step)`` as `_model.make_step`'s jaxmp mixed_bfloat16 step, matmuls in FP8.
+
+    The carry is ``(params, opt_state, fp8_state)``; the FP8 state is that of delayed scaling
+    (``None`` for the stateless recipes), its next value the "gradient" of the current one.
+    """
+    bf16 = jnp.dtype(jnp.bfloat16)
+    model = _model.CharTransformer(config, dtype=bf16, param_dtype=jnp.float32)
+    apply = jaxmp.autocast(
+        model.apply,
+        "mixed_bfloat16",
+        low_precision_ops=("dot_general",),
+        float32_ops=(),
+        fp8=FP8_RECIPES[recipe_name],
+        fp8_exclude=FP8_EXCLUDE,
+    )
+    tx = jaxmp.mixed_precision(optax.adam(learning_rate), "mixed_bfloat16", jaxmp.NoOpLossScale())
+    stateful = FP8_RECIPES[recipe_name].stateful
+
+    def loss_fn(params, tokens, fp8_state):
+        f = apply.with_fp8_state(fp8_state) if stateful else apply
+        logits = f({"params": jaxmp.cast_tree(params, bf16)}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    def init(seed):
+        tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+        params = model.init(jax.random.key(seed), tokens)["params"]
+        fp8_state = None
+        if stateful:
+            fp8_state = apply.fp8_init({"params": jaxmp.cast_tree(params, bf16)}, tokens)
+        return params, tx.init(params), fp8_state
+
+    grad_fn = jaxmp.value_and_grad(loss_fn, argnums=(0, 2) if stateful else 0)
+
+    def step(carry, tokens):
+        params, opt_state, fp8_state = carry
+        loss, grads = grad_fn(jaxmp.get_loss_scale(opt_state), params, tokens, fp8_state)
+        if stateful:
+            grads, fp8_state = grads
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, fp8_state), loss
+
+    return init, step
 
 
 def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, Any]:
-    init, step = _model.make_step(approach, precision, config)
+    if approach == "fp8":
+        init, step = make_fp8_step(precision, config)
+    else:
+        init, step = _model.make_step(approach, precision, config)
     carry = init(0)
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=0).lower(carry, tokens).compile()
@@ -213,6 +281,15 @@ def main(argv: list[str] | None = None) -> None:
         "loss",
     ]
     print(_hlo.table(header, rows))
+    bf16 = results.get(BF16_ROW)
+    for label, approach, _, _ in rows_to_run:
+        r = results[label]
+        if approach != "fp8" or r is None or "error" in r:
+            continue
+        if bf16 is None or "error" in bf16:
+            print(f"{label}: no {BF16_ROW} row to compare with")
+            continue
+        print(f"{label}: {bf16['step_s'] / r['step_s']:.2f}x the tokens/s of {BF16_ROW}")
 
     if not args.no_update_table:
         remaining = deadline - time.perf_counter()

@@ -29,10 +29,15 @@ def test_gpu_benchmark_tiny_runs_on_cpu():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for label in ("float32, optax.adam", "mixed_float16, jaxmp", "mixed_bfloat16, jaxmp"):
+    fp8 = [f"mixed_bfloat16 + FP8 {r}, jaxmp" for r in ("current", "delayed", "block")]
+    for label in ("float32, optax.adam", "mixed_float16, jaxmp", "mixed_bfloat16, jaxmp", *fp8):
         row = next(line for line in out.splitlines() if line.startswith(f"| {label} "))
         tokens_per_s = row.split("|")[2].strip()
         assert re.fullmatch(r"[\d,]+", tokens_per_s), row  # measured, not skipped
+    for label in fp8:
+        assert re.search(
+            rf"^{re.escape(label)}: \d+\.\d\dx the tokens/s of mixed_bfloat16", out, re.M
+        )
     ratio = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.split("|")]
