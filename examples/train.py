@@ -11,11 +11,14 @@ Usage:
     python examples/train.py --overwrite                  # replace runs/mixed_float16
     python examples/train.py --compare                    # every config in configs/
     python examples/train.py --compare fp32,mixed_float16
+    python examples/train.py --inspect 1,1500             # jaxmp.inspect at steps 1 and 1500
 
 Each run writes to ``--workdir`` (default ``runs/<config name>``): ``metrics.jsonl`` and
 ``metrics.csv`` (one row per step), ``config.yaml`` (the resolved config), ``checkpoints/``
 (orbax; ``--resume`` continues from the latest one, bit-identically) and ``losses.png``. A new
 run refuses a directory that is not empty: nothing is replaced without ``--overwrite``.
+``--inspect`` adds ``inspect.json`` (a `jaxmp.inspect` report of the step's forward and backward
+pass at each chosen step) and ``inspect.png`` (the figure of the latest one).
 Ctrl-C stops after the step in progress, with its metrics row and its checkpoint saved.
 """
 
@@ -414,7 +417,87 @@ def logit_gradient_underflow(
     return float(fraction(jaxmp.cast_tree(params, jnp.float32)))
 
 
+def parse_inspect_steps(text: str, steps: int) -> tuple[int, ...]:
+    """The steps ``--inspect`` names (``"1,100"``; ``""``: the first and the last step).
+
+    Raises:
+      ValueError: one line naming the value and the valid steps.
+    """
+    if not text:
+        return tuple(sorted({1, steps}))
+    try:
+        chosen = [int(s) for s in text.split(",")]
+    except ValueError:
+        chosen = []
+    if not chosen or not all(1 <= s <= steps for s in chosen):
+        raise ValueError(
+            f"--inspect expects comma-separated steps from 1 to {steps} (the config's steps), "
+            f"got {text!r}."
+        )
+    return tuple(sorted(set(chosen)))
+
+
+def make_inspected_grad(config: config_lib.Config, model: model_lib.TransformerLM):
+    """The train step's loss and gradients under `jaxmp.inspect`, jitted.
+
+    ``(loss_scale, params, inputs, targets, fp8_state) -> ((loss, grads), report)``: the
+    model's forward and backward pass at the step's loss scale, as the train step computes
+    them (FP8 included). The optimizer update is left out: it computes in float32, and its ops
+    (a set per parameter) would make the inspected program several times slower to compile.
+    """
+    loss_fn = make_loss_fn(model, make_fp8_apply(config, model))
+    argnums = (0, 3) if config.fp8 == "delayed" else 0
+    return jax.jit(jaxmp.inspect(jaxmp.value_and_grad(loss_fn, argnums=argnums)))
+
+
+def load_inspections(workdir: pathlib.Path, upto: int) -> list[dict[str, Any]]:
+    """The entries of ``inspect.json`` up to step `upto` (a resumed run's checkpoint step)."""
+    try:
+        entries = json.loads((workdir / "inspect.json").read_text())["inspections"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [e for e in entries if isinstance(e, dict) and e.get("step", upto + 1) <= upto]
+
+
+def write_inspection(
+    workdir: pathlib.Path,
+    config: config_lib.Config,
+    step: int,
+    loss_scale: float,
+    report: jaxmp.Report,
+    entries: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Adds `report` of `step` to `entries`; writes them to ``inspect.json``, its figure to
+    ``inspect.png`` (each replaced atomically). Returns the new entry."""
+    try:
+        suggestion = report.suggest_loss_scale(loss_scale)
+    except ValueError:  # no backward value to keep in range
+        suggestion = None
+    first = report.first_nonfinite
+    entry = {
+        "step": step,
+        "loss_scale": loss_scale,
+        "suggested_loss_scale": None if suggestion is None else suggestion.loss_scale,
+        "suggestion": None if suggestion is None else str(suggestion),
+        "first_nonfinite": None
+        if first is None
+        else f"{first.op} ({first.phase}) at {first.location} in {first.module or '(no module)'}",
+        "report": report.to_dict(),
+    }
+    entries[:] = [e for e in entries if e["step"] != step] + [entry]
+    data = {"config": config.name, "precision": str(config.policy), "inspections": entries}
+    tmp = workdir / "inspect.json.tmp"
+    tmp.write_text(json.dumps(data, allow_nan=False) + "\n")
+    os.replace(tmp, workdir / "inspect.json")
+    title = f"{config.name} ({config.policy}), step {step}, loss scale {describe_scale(loss_scale)}"
+    fig = report.plot(workdir / "inspect.tmp.png", title=title)
+    _pyplot().close(fig)
+    os.replace(workdir / "inspect.tmp.png", workdir / "inspect.png")
+    return entry
+
+
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "metrics.csv", "losses.png", "checkpoints")
+RUN_OUTPUTS += ("inspect.json", "inspect.png")
 COMPARE_OUTPUTS = ("summary.md", "summary.json", "compare.png")
 
 
@@ -635,6 +718,7 @@ def train_and_evaluate(
     stop_at: int | None = None,
     sample_length: int = 80,
     figure: bool = True,
+    inspect_steps: Sequence[int] = (),
 ) -> RunResult:
     """Trains `config` in `workdir`; returns the final state, metrics and a text sample.
 
@@ -650,6 +734,9 @@ def train_and_evaluate(
             runs to ``config.steps``.
         sample_length: characters of generated text in the result (0: none).
         figure: write ``losses.png`` (`run_figure`).
+        inspect_steps: before these steps, inspect the step's forward and backward pass
+            (`jaxmp.inspect`) and write ``inspect.json`` and ``inspect.png`` (see
+            `write_inspection`); the training itself is unchanged.
 
     Raises:
         RunDirError: `workdir` is not empty (and neither `resume` nor `overwrite` is set),
@@ -747,6 +834,8 @@ def train_and_evaluate(
     )
     saved_step = start if resume else None
     interrupted = False
+    inspections = load_inspections(workdir, start) if inspect_steps else []
+    inspected_grad = make_inspected_grad(config, model) if inspect_steps else None
     # `state` is always the state after the last step whose metrics row has been written, so
     # a checkpoint of it and metrics.jsonl agree whenever the loop stops.
     with stop_after_step_on_sigint() as stop_requested:
@@ -757,6 +846,17 @@ def train_and_evaluate(
                         dataset.train, config.seed, step - 1, config.batch_size, config.seq_len
                     )
                 )
+                if inspected_grad is not None and step in inspect_steps:
+                    loss_scale = jaxmp.get_loss_scale(state.opt_state)
+                    args = (loss_scale, state.params, inputs, targets, state.fp8_state)
+                    _, report = inspected_grad(*args)
+                    entry = write_inspection(
+                        workdir, config, step, float(loss_scale.loss_scale), report, inspections
+                    )
+                    log(
+                        f"step {step}: inspected {len(report)} ops; first non-finite: "
+                        f"{entry['first_nonfinite'] or 'none'}; {entry['suggestion'] or ''}"
+                    )
                 t0 = time.perf_counter()
                 new_state, metrics = compiled(state, inputs, targets)
                 metrics = jax.device_get(metrics)
@@ -1312,6 +1412,14 @@ def make_parser() -> _Parser:
         metavar="NAMES",
         help="train several configs (comma-separated names; default all) and compare them",
     )
+    parser.add_argument(
+        "--inspect",
+        nargs="?",
+        const="",
+        metavar="STEPS",
+        help="write inspect.json and inspect.png (jaxmp.inspect) at these steps, e.g. 1,100 "
+        "(default: the first and the last)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--mesh", metavar="NAME=SIZE,...", help="shard over devices, e.g. data=4,model=2"
@@ -1340,6 +1448,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 config = config_lib.load(str(workdir / "config.yaml"), args.set)
             if config.mesh:
                 sharding.parse_mesh(config.mesh)
+        inspect_steps: tuple[int, ...] = ()
+        if args.inspect is not None:
+            if args.compare is not None:
+                raise ValueError("--inspect inspects one run; it does not combine with --compare.")
+            inspect_steps = parse_inspect_steps(args.inspect, config.steps)
     except ValueError as e:
         parser.fail(e)
     try:
@@ -1355,7 +1468,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"figure and summary: {show_path(workdir)}")
             return
         result = train_and_evaluate(
-            config, workdir, resume=args.resume, overwrite=args.overwrite, progress=progress
+            config,
+            workdir,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=progress,
+            inspect_steps=inspect_steps,
         )
     except RunDirError as e:
         # A damaged checkpoint leaves orbax's failed reads behind (asyncio tasks, coroutines);

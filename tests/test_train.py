@@ -250,6 +250,46 @@ def test_static_loss_scale_is_constant(tmp_path):
     assert result.skipped_steps == 0
 
 
+def test_inspect_reports_the_steps_and_leaves_training_unchanged(tmp_path):
+    # Starting at 2^16, float16 gradients overflow: the first steps are skipped. The report of
+    # each step must name a non-finite op exactly when the step is skipped.
+    config = tiny("mixed_float16", "steps=4", "loss_scale_init=65536.0", "loss_scale_period=2")
+    plain = run(config, tmp_path / "plain")
+    (tmp_path / "inspected").mkdir()
+    inspected = run(config, tmp_path / "inspected", inspect_steps=(1, 2, 3, 4))
+    assert without_time(inspected.history) == without_time(plain.history)
+    assert_identical(inspected.state.params, plain.state.params)
+    names = {p.name for p in inspected.workdir.iterdir()}
+    assert names == {p.name for p in plain.workdir.iterdir()} | {"inspect.json", "inspect.png"}
+    data = json.loads((inspected.workdir / "inspect.json").read_text())
+    assert data["config"] == config.name and data["precision"] == str(config.policy)
+    entries = data["inspections"]
+    assert [e["step"] for e in entries] == [1, 2, 3, 4]
+    scales = [config.loss_scale_init] + [r["loss_scale"] for r in plain.history]
+    skipped = [r["skipped"] for r in plain.history]
+    assert skipped[0] and not all(skipped)
+    for entry, scale, was_skipped in zip(entries, scales, skipped, strict=False):
+        assert entry["loss_scale"] == scale
+        assert (entry["first_nonfinite"] is not None) == was_skipped, entry["first_nonfinite"]
+        suggested = entry["suggested_loss_scale"]
+        assert suggested == 2.0 ** round(math.log2(suggested))
+        if was_skipped:  # the suggestion scales the overflowing gradients back into range
+            assert suggested < scale and "(backward)" in entry["first_nonfinite"]
+        rows = entry["report"]["rows"]
+        assert {r["phase"] for r in rows} == {"forward", "backward"}
+        assert any(r["module"].startswith("TransformerLM/block_0/") for r in rows)
+        assert any(r["dtype"] == "float16" and r["primitive"] == "dot_general" for r in rows)
+    assert (inspected.workdir / "inspect.png").stat().st_size > 10_000
+
+
+def test_inspect_steps_are_parsed():
+    assert train.parse_inspect_steps("", 30) == (1, 30)
+    assert train.parse_inspect_steps("5,1,5", 30) == (1, 5)
+    for bad in ("0", "31", "1,x", ",", "1.5"):
+        with pytest.raises(ValueError, match=r"--inspect expects comma-separated steps from 1"):
+            train.parse_inspect_steps(bad, 30)
+
+
 def test_batches_depend_only_on_seed_and_step():
     dataset = train.get_dataset(0.1)
     a = data_lib.train_batch(dataset.train, 0, 5, 4, 16)
@@ -451,6 +491,14 @@ CLI_CASES = {
     "compare_refused": (
         ["--compare", "fp32,mixed_float16", "--workdir", "compare"],
         ["compare already holds runs (mixed_float16); continue them with --resume, replace"],
+    ),
+    "inspect_bad_steps": (
+        ["--inspect", "0,3", *_set(*RUN)],
+        ["--inspect expects comma-separated steps from 1 to 24 (the config's steps), got '0,3'."],
+    ),
+    "inspect_with_compare": (
+        ["--inspect", "--compare", "fp32,mixed_float16"],
+        ["--inspect inspects one run; it does not combine with --compare."],
     ),
     "resume_and_overwrite": (
         ["--resume", "--overwrite"],
