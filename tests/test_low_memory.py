@@ -290,7 +290,7 @@ def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
 # --- On a mesh (8 simulated devices, in a process of their own) -----------------------------
 
 
-LEARNING_RATE, STEPS = 1e-2, 3  # as tests/distributed/low_memory.py trains
+MESH_LEARNING_RATE, MESH_STEPS = 1e-2, 3  # as tests/distributed/low_memory.py trains
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +316,7 @@ def test_sharded_runs_agree_across_replicas_and_follow_one_device(on_a_mesh, mod
     # own size, so a near-zero gradient's sign can flip between the two orders, and a param can
     # move by up to the learning rate the other way at each step (and then round apart).
     np.testing.assert_allclose(run["losses"], single["losses"], rtol=1e-3)
-    assert run["max_param_difference"] <= 2 * LEARNING_RATE * STEPS
+    assert run["max_param_difference"] <= 2 * MESH_LEARNING_RATE * MESH_STEPS
     assert run["fraction_of_params_differing"] < 0.5
 
 
