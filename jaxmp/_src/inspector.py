@@ -7,7 +7,7 @@ measures each floating output on device. The measurements are extra outputs of t
 
 What is measured, per op output (one row, see `OpStats`):
 
-* of the value the op produced: max |x| over finite values, the smallest nonzero |x|, the
+* of the value the op produced: max ``|x|`` over finite values, the smallest nonzero ``|x|``, the
   counts of NaN and inf, and whether the op made a non-finite value from finite inputs;
 * of the value the op *should* have produced (its float32 reference when the program computes
   in lower precision, else the value itself): for each format, the fraction of nonzero values
@@ -276,7 +276,7 @@ def _exponents(mag: Any, layout: _Layout) -> Any:
 def _scaled_norm_step(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
     """Combines two partial norms ``(s, q)``, norm ``s * sqrt(q)`` (LAPACK's nrm2 scaling).
 
-    The squares are taken relative to the largest |x| so far: no overflow, no underflow of
+    The squares are taken relative to the largest ``|x|`` so far: no overflow, no underflow of
     the values that matter.
     """
     (s1, q1), (s2, q2) = a, b
@@ -768,8 +768,8 @@ class OpStats:
       loops: the loops and branches around the op, outermost first (``"scan (8
         iterations)"``, ``"while (body)"``, ``"cond (branch 1 of 2)"``).
       calls: times the op ran (iterations of its loops; 0 in a branch never taken).
-      max_abs: max |x| over the finite values the op produced (0 if none).
-      min_abs: the smallest nonzero |x| (None if all are zero or non-finite).
+      max_abs: max ``|x|`` over the finite values the op produced (0 if none).
+      min_abs: the smallest nonzero ``|x|`` (None if all are zero or non-finite).
       nan, inf: counts over all calls.
       nonzero: nonzero finite values of the reference (the value itself without one).
       flush: per format, the fraction of `nonzero` that would round to zero if stored in it.
@@ -778,7 +778,7 @@ class OpStats:
         None without a float32 reference.
       rel_error: ``||y - y_ref|| / ||y_ref||`` against the program evaluated in float32;
         None without a reference.
-      ref_max_abs: max |x| of the reference.
+      ref_max_abs: max ``|x|`` of the reference.
       created_nonfinite: whether a call made a NaN or inf from finite inputs.
       histogram: counts of nonzero finite reference values by binary exponent
         ``floor(log2|x|)``, from `EXPONENT_MIN` to `EXPONENT_MAX`.
@@ -857,7 +857,7 @@ class LossScaleSuggestion(NamedTuple):
       underflow: the fraction of nonzero backward values that would still round to zero in
         the format under `loss_scale`.
       current_underflow: the same fraction under the loss scale the report was made with.
-      max_abs: the largest |x| of the backward values at the loss scale the report was made
+      max_abs: the largest ``|x|`` of the backward values at the loss scale the report was made
         with (of their float32 reference).
       margin: the headroom kept: ``max_abs * loss_scale / current * margin <= format max``.
       format: the format whose range is kept.
@@ -1420,10 +1420,10 @@ def inspect(
 
     Each row has the primitive, the module path (Flax Linen module names, `jax.named_scope`
     names; the attribute path of the Flax NNX modules passed as arguments) and the user's
-    ``file:line``, the output's shape and dtype, max |x|, the smallest nonzero |x|, the counts
-    of NaN and inf, and for each format the fraction of nonzero values that would flush to
-    zero or overflow if stored in it. When the program computes in lower precision, or under
-    a `policy`, each row also has the fraction of values lost to underflow and the relative
+    ``file:line``, the output's shape and dtype, max ``|x|``, the smallest nonzero ``|x|``,
+    the counts of NaN and inf, and for each format the fraction of nonzero values that would
+    flush to zero or overflow if stored in it. When the program computes in lower precision,
+    or under a `policy`, each row also has the fraction of values lost to underflow and the relative
     error against the same program evaluated in float32 (see `jaxmp._src.inspector`).
 
     The statistics are computed on device as extra outputs of the program: call the
