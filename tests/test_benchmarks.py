@@ -17,6 +17,7 @@ def benchmarks_on_path(monkeypatch):
     monkeypatch.syspath_prepend(BENCHMARKS)
 
 
+@pytest.mark.slow  # two minutes on 2 CPU cores: every row of the GPU script, compiled
 def test_gpu_benchmark_tiny_runs_on_cpu():
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(

@@ -250,6 +250,7 @@ def test_static_loss_scale_is_constant(tmp_path):
     assert result.skipped_steps == 0
 
 
+@pytest.mark.slow  # two minutes on 2 CPU cores: the inspected step compiles for long
 def test_inspect_reports_the_steps_and_leaves_training_unchanged(tmp_path):
     # Starting at 2^16, float16 gradients overflow: the first steps are skipped. The report of
     # each step must name a non-finite op exactly when the step is skipped.
