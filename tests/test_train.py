@@ -617,8 +617,8 @@ def test_config_file_errors(tmp_path):
 
 @pytest.mark.slow
 def test_unscaled_gradients_stop_the_run(tmp_path, monkeypatch):
-    def unscaled(fun):
-        return lambda loss_scale, *args: jax.value_and_grad(fun)(*args)
+    def unscaled(fun, argnums=0):  # the mistake: jax.value_and_grad of the unscaled loss
+        return lambda loss_scale, *args: jax.value_and_grad(fun, argnums)(*args)
 
     monkeypatch.setattr(jaxmp, "value_and_grad", unscaled)
     config = tiny("mixed_float16", "steps=2")
