@@ -599,6 +599,14 @@ def _state_policies() -> list[tuple[str, dict[str, Any]]]:
         rows += [("p=bf16,c=bf16", {"master_weights": False})]
     if "moments" in options:
         rows += [("p=bf16,c=bf16", {"moments": "bfloat16"})]
+    if "rounding" in options:  # docs/guides/low_memory.md
+        no_master = {"master_weights": False}
+        rows += [
+            ("p=bf16,c=bf16", {**no_master, "rounding": "kahan"}),
+            ("p=bf16,c=bf16", {**no_master, "rounding": "stochastic", "moments": "bf16"}),
+            ("p=bf16,c=bf16", {**no_master, "rounding": "stochastic", "moments": "int8"}),
+            ("p=bf16,c=bf16", {**no_master, "rounding": "stochastic", "moments": "fp8"}),
+        ]
     return rows
 
 
