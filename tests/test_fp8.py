@@ -133,17 +133,45 @@ _FP8_CHOICES = "must be one of float8_e4m3fn, float8_e5m2"
 @pytest.mark.parametrize(
     ("recipe", "kwargs", "message"),
     [
-        (jaxmp.Float8CurrentScaling, {"fwd_dtype": jnp.bfloat16}, f"`fwd_dtype` {_FP8_CHOICES}, got bfloat16."),
-        (jaxmp.Float8CurrentScaling, {"bwd_dtype": "e5m2"}, f"`bwd_dtype` {_FP8_CHOICES}, got 'e5m2'."),
+        (
+            jaxmp.Float8CurrentScaling,
+            {"fwd_dtype": jnp.bfloat16},
+            f"`fwd_dtype` {_FP8_CHOICES}, got bfloat16.",
+        ),
+        (
+            jaxmp.Float8CurrentScaling,
+            {"bwd_dtype": "e5m2"},
+            f"`bwd_dtype` {_FP8_CHOICES}, got 'e5m2'.",
+        ),
         (jaxmp.DelayedScaling, {"history_len": 0}, "`history_len` must be an integer >= 1, got 0."),
-        (jaxmp.DelayedScaling, {"history_len": 2.0}, "`history_len` must be an integer >= 1, got 2.0."),
-        (jaxmp.DelayedScaling, {"amax_compute": "avg"}, "`amax_compute` must be one of 'max', 'most_recent', got 'avg'."),
+        (
+            jaxmp.DelayedScaling,
+            {"history_len": 2.0},
+            "`history_len` must be an integer >= 1, got 2.0.",
+        ),
+        (
+            jaxmp.DelayedScaling,
+            {"amax_compute": "avg"},
+            "`amax_compute` must be one of 'max', 'most_recent', got 'avg'.",
+        ),
         (jaxmp.DelayedScaling, {"margin": -1}, "`margin` must be an integer >= 0, got -1."),
-        (jaxmp.Float8BlockScaling, {"tile_size": True}, "`tile_size` must be an integer >= 1, got True."),
-        (jaxmp.Float8BlockScaling, {"weight_block_size": 0}, "`weight_block_size` must be an integer >= 1, got 0."),
-        (jaxmp.MXFP8BlockScaling, {"block_size": -32}, "`block_size` must be an integer >= 1, got -32."),
+        (
+            jaxmp.Float8BlockScaling,
+            {"tile_size": True},
+            "`tile_size` must be an integer >= 1, got True.",
+        ),
+        (
+            jaxmp.Float8BlockScaling,
+            {"weight_block_size": 0},
+            "`weight_block_size` must be an integer >= 1, got 0.",
+        ),
+        (
+            jaxmp.MXFP8BlockScaling,
+            {"block_size": -32},
+            "`block_size` must be an integer >= 1, got -32.",
+        ),
     ],
-)  # fmt: skip
+)
 def test_recipe_arguments_are_validated_at_construction(recipe, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         recipe(**kwargs)
