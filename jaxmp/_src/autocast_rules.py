@@ -146,56 +146,9 @@ INDEPENDENT_OPERAND_OPS: frozenset[str] = frozenset(
     }
 )
 
-#: Elementwise and layout primitives through which the operands of a float32 op are
-#: recomputed in float32. A value that exists only to feed a float32 op through these
-#: (``x * x`` feeding the mean of an RMSNorm, ``jnp.square`` in LayerNorm's fast variance,
-#: ``pred - target`` feeding a squared-error loss) is computed in float32 from its
-#: compute-dtype inputs: in float16, ``300.0 ** 2`` is already inf. Values that other ops
-#: also read (the activations) stay in the compute dtype and are widened where they meet
-#: the float32 path.
-FLOAT32_PATH_OPS: frozenset[str] = frozenset(
+#: Primitives that move values without computing new ones (layout).
+LAYOUT_OPS: frozenset[str] = frozenset(
     {
-        # Arithmetic.
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "rem",
-        "neg",
-        "abs",
-        "sign",
-        "square",
-        "integer_pow",
-        "pow",
-        "sqrt",
-        "rsqrt",
-        "cbrt",
-        "max",
-        "min",
-        "clamp",
-        "select_n",
-        "atan2",
-        "floor",
-        "ceil",
-        "round",
-        "exp",
-        "exp2",
-        "expm1",
-        "log",
-        "log1p",
-        "tanh",
-        "logistic",
-        "sin",
-        "cos",
-        "real",
-        "imag",
-        "conj",
-        "complex",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "reduce_precision",
-        # Layout: the same values, moved.
         "broadcast_in_dim",
         "reshape",
         "squeeze",
@@ -209,4 +162,59 @@ FLOAT32_PATH_OPS: frozenset[str] = frozenset(
         "concatenate",
         "pad",
     }
+)
+
+#: Elementwise and layout primitives through which the operands of a float32 op are
+#: recomputed in float32. A value that exists only to feed a float32 op through these
+#: (``x * x`` feeding the mean of an RMSNorm, ``jnp.square`` in LayerNorm's fast variance,
+#: ``pred - target`` feeding a squared-error loss) is computed in float32 from its
+#: compute-dtype inputs: in float16, ``300.0 ** 2`` is already inf. Values that other ops
+#: also read (the activations) stay in the compute dtype and are widened where they meet
+#: the float32 path.
+FLOAT32_PATH_OPS: frozenset[str] = (
+    frozenset(
+        {
+            # Arithmetic.
+            "add",
+            "sub",
+            "mul",
+            "div",
+            "rem",
+            "neg",
+            "abs",
+            "sign",
+            "square",
+            "integer_pow",
+            "pow",
+            "sqrt",
+            "rsqrt",
+            "cbrt",
+            "max",
+            "min",
+            "clamp",
+            "select_n",
+            "atan2",
+            "floor",
+            "ceil",
+            "round",
+            "exp",
+            "exp2",
+            "expm1",
+            "log",
+            "log1p",
+            "tanh",
+            "logistic",
+            "sin",
+            "cos",
+            "real",
+            "imag",
+            "conj",
+            "complex",
+            "convert_element_type",
+            "copy",
+            "copy_p",
+            "reduce_precision",
+        }
+    )
+    | LAYOUT_OPS
 )

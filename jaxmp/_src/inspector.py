@@ -61,33 +61,19 @@ DEFAULT_FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 #: Primitives whose outputs are values of their inputs moved or selected, never new values,
 #: and allocations whose values are not computed: they get no row (they cannot round,
 #: overflow or make a NaN).
-MOVEMENT_OPS: frozenset[str] = frozenset(
-    {
-        "empty",
-        "empty2",
-        "broadcast_in_dim",
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "transpose",
-        "rev",
-        "slice",
-        "dynamic_slice",
-        "dynamic_update_slice",
-        "gather",
-        "concatenate",
-        "pad",
-        "select_n",
-        "copy",
-        "copy_p",
-        "device_put",
-        "optimization_barrier",
-        "pvary",
-        "split",
-        "sharding_constraint",
-        "mesh_cast",
-    }
-)
+MOVEMENT_OPS: frozenset[str] = autocast_rules.LAYOUT_OPS | {
+    "empty",
+    "empty2",
+    "select_n",
+    "copy",
+    "copy_p",
+    "device_put",
+    "optimization_barrier",
+    "pvary",
+    "split",
+    "sharding_constraint",
+    "mesh_cast",
+}
 
 # The reference of these outputs is the program's value itself: their parameters pin the
 # dtypes of their operands (scatter combiners, bit casts, callbacks) or they hold sub-jaxprs.
