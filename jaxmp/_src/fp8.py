@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -596,6 +596,36 @@ def transpose_rhs(dimension_numbers: Any, x_ndim: int, y_ndim: int) -> tuple[Any
     return transpose_lhs(swapped, y_ndim, x_ndim, swap_ans=True)
 
 
+def _site_scales(site: Any) -> tuple[Any, Any, Any]:
+    """The (lhs, rhs, gradient) scales of a delayed-scaling `site`; Nones without one."""
+    if site is None:
+        return None, None, None
+    # A zero scale is the state of a matmul that did not run last step: start afresh.
+    scale = jnp.where(site[1] > 0, site[1], jnp.float32(1.0))
+    return scale[ROLE_LHS], scale[ROLE_RHS], scale[ROLE_GRAD]
+
+
+def _updated_site(site: Any, amaxes: Any, g: jax.Array, recipe: Any) -> Any:
+    """The next ``(amax_history, scale)`` of `site` from this step's amaxes; None without one."""
+    if site is None:
+        return None
+    observed = jnp.stack([amaxes[0], amaxes[1], amax(g)])
+    return delayed_update(site[0], site[1], observed, recipe)
+
+
+def _with_fp8_vjp(
+    forward: Callable[..., Any], backward: Callable[..., Any], lhs: Any, rhs: Any, site: Any
+) -> jax.Array:
+    """``forward(lhs, rhs, site)[0]``, differentiated by `backward` (a `jax.custom_vjp`)."""
+
+    @jax.custom_vjp
+    def run(lhs: jax.Array, rhs: jax.Array, site: Any) -> jax.Array:
+        return forward(lhs, rhs, site)[0]
+
+    run.defvjp(forward, backward)
+    return run(lhs, rhs, site)
+
+
 def fp8_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -621,16 +651,8 @@ def fp8_dot_general(
     lw, rw = weights
     stateful = site is not None
 
-    def scales(site: Any) -> tuple[Any, Any, Any]:
-        if not stateful:
-            return None, None, None
-        scale = site[1]
-        # A zero scale is the state of a matmul that did not run last step: start afresh.
-        scale = jnp.where(scale > 0, scale, jnp.float32(1.0))
-        return scale[ROLE_LHS], scale[ROLE_RHS], scale[ROLE_GRAD]
-
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
-        sl, sr, _ = scales(site)
+        sl, sr, _ = _site_scales(site)
         if recipe.per_tensor and sl is None:
             sl, sr = (
                 _tensor_scale(lhs, Operand(recipe.fwd_dtype)),
@@ -642,16 +664,9 @@ def fp8_dot_general(
         amaxes = (amax(lhs), amax(rhs)) if stateful else None
         return out.astype(out_dtype), (lhs, rhs, lhs_op, rhs_op, amaxes, site)
 
-    @jax.custom_vjp
-    def dot(lhs: jax.Array, rhs: jax.Array, site: Any) -> jax.Array:
-        return forward(lhs, rhs, site)[0]
-
-    def dot_fwd(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
-        return forward(lhs, rhs, site)
-
-    def dot_bwd(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
+    def backward(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
         lhs, rhs, lhs_op, rhs_op, amaxes, site = res
-        _, _, sg = scales(site)
+        _, _, sg = _site_scales(site)
         if recipe.per_tensor and sg is None:
             sg = _tensor_scale(g, Operand(recipe.bwd_dtype))
         g_op = Operand(recipe.bwd_dtype, sg)
@@ -661,14 +676,10 @@ def fp8_dot_general(
         dims_r, axes_r = transpose_rhs(dimension_numbers, lhs.ndim, rhs.ndim)
         d_rhs = scaled_dot_general(g, lhs, dims_r, g_op, lhs_op, recipe)
         d_rhs = jnp.transpose(d_rhs, axes_r).astype(rhs.dtype)
-        new_site = None
-        if stateful:
-            observed = jnp.stack([amaxes[0], amaxes[1], amax(g)])
-            new_site = delayed_update(site[0], site[1], observed, recipe)
+        new_site = _updated_site(site, amaxes, g, recipe)
         return d_lhs, d_rhs, new_site
 
-    dot.defvjp(dot_fwd, dot_bwd)
-    return dot(lhs, rhs, site)
+    return _with_fp8_vjp(forward, backward, lhs, rhs, site)
 
 
 def fp8_conv(
@@ -690,14 +701,8 @@ def fp8_conv(
     out_dtype = jnp.dtype(out_dtype)
     stateful = site is not None
 
-    def scales(site: Any) -> tuple[Any, Any, Any]:
-        if not stateful:
-            return None, None, None
-        scale = jnp.where(site[1] > 0, site[1], jnp.float32(1.0))
-        return scale[ROLE_LHS], scale[ROLE_RHS], scale[ROLE_GRAD]
-
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
-        sl, sr, _ = scales(site)
+        sl, sr, _ = _site_scales(site)
         if sl is None:
             sl = scale_from_amax(amax(lhs), recipe.fwd_dtype)
             sr = scale_from_amax(amax(rhs), recipe.fwd_dtype)
@@ -706,16 +711,9 @@ def fp8_conv(
         amaxes = (amax(lhs), amax(rhs)) if stateful else None
         return out.astype(out_dtype), (lhs, rhs, lq, rq, sl, sr, amaxes, site)
 
-    @jax.custom_vjp
-    def run(lhs: jax.Array, rhs: jax.Array, site: Any) -> jax.Array:
-        return forward(lhs, rhs, site)[0]
-
-    def run_fwd(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
-        return forward(lhs, rhs, site)
-
-    def run_bwd(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
+    def backward(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
         lhs, rhs, lq, rq, sl, sr, amaxes, site = res
-        _, _, sg = scales(site)
+        _, _, sg = _site_scales(site)
         if sg is None:
             sg = scale_from_amax(amax(g), recipe.bwd_dtype)
         gd = quantize(g, sg, recipe.bwd_dtype).astype(jnp.float32) / sg
@@ -723,11 +721,7 @@ def fp8_conv(
         rd = rq.astype(jnp.float32) / sr
         _, vjp = jax.vjp(conv, ld, rd)
         d_lhs, d_rhs = vjp(gd)
-        new_site = None
-        if stateful:
-            observed = jnp.stack([amaxes[0], amaxes[1], amax(g)])
-            new_site = delayed_update(site[0], site[1], observed, recipe)
+        new_site = _updated_site(site, amaxes, g, recipe)
         return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), new_site
 
-    run.defvjp(run_fwd, run_bwd)
-    return run(lhs, rhs, site)
+    return _with_fp8_vjp(forward, backward, lhs, rhs, site)
