@@ -1,8 +1,9 @@
 """Trains a character-level transformer language model under a jaxmp precision policy.
 
-The data is the documentation text shipped with Python (`pydoc_data.topics`), so nothing is
-downloaded. One run trains under one config from ``configs/``; ``--compare`` trains several on
-the same data and seed and prints a side-by-side summary.
+The data is the documentation text shipped with Python (Python 3.11's `pydoc_data.topics`,
+stored in ``examples/lm/corpus.txt.xz``), so nothing is downloaded. One run trains under one
+config from ``configs/``; ``--compare`` trains several on the same data and seed and prints a
+side-by-side summary.
 
 Usage:
     python examples/train.py                              # configs/mixed_float16.yaml

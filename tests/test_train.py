@@ -304,6 +304,30 @@ def test_batches_depend_only_on_seed_and_step():
     assert 3.0 < data_lib.unigram_entropy(dataset.train, dataset.val, dataset.vocab_size) < 3.5
 
 
+def test_corpus_is_the_same_text_on_every_python(monkeypatch):
+    # Each Python release ships a different revision of pydoc_data's topics; the main job reads
+    # the stored copy, so its numbers do not depend on the Python that runs it.
+    import types
+
+    text = data_lib.load_corpus()
+    assert (len(text), len(set(text))) == (464_970, 103)
+    fake = types.ModuleType("pydoc_data.topics")
+    fake.topics = {"a": "another Python's text"}
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", fake)
+    assert data_lib.python_docs_text() == "another Python's text"
+    assert data_lib.load_corpus() == text
+
+
+def test_a_damaged_corpus_is_an_error(tmp_path, monkeypatch):
+    import lzma
+
+    damaged = tmp_path / "corpus.txt.xz"
+    damaged.write_bytes(lzma.compress(data_lib.load_corpus()[:-1].encode()))
+    monkeypatch.setattr(data_lib, "CORPUS_PATH", damaged)
+    with pytest.raises(ValueError, match=r"corpus.txt.xz is damaged: sha256 [0-9a-f]{64}"):
+        data_lib.load_corpus()
+
+
 # --- Nothing is lost: refusal, overwrite, resume --------------------------------------------
 
 

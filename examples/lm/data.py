@@ -1,7 +1,11 @@
 """Character-level data from the documentation text shipped with Python (no download).
 
-The corpus joins the values of `pydoc_data.topics.topics` in sorted-key order, so it is the
-same on every run of a given Python version. The last `val_fraction` of it is held out.
+The corpus is Python 3.11's `pydoc_data.topics.topics`, its values joined in sorted-key order,
+stored next to this file as ``corpus.txt.xz`` (95 kB; 464,970 characters, 103 distinct). Each
+Python release ships a different revision of that text (3.12's is 492,155 characters, 3.13's
+510,586), so the copy keeps every number the main job prints the same whichever Python runs
+it. `python_docs_text` gives the running Python's own text. The last `val_fraction` is held
+out.
 Training batches are a pure function of ``(seed, step)``: a run resumed at step ``s`` sees
 exactly the batches an uninterrupted run would have seen from step ``s`` on.
 """
@@ -9,16 +13,35 @@ exactly the batches an uninterrupted run would have seen from step ``s`` on.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import lzma
 import math
+import pathlib
 
 import numpy as np
 
+CORPUS_PATH = pathlib.Path(__file__).with_name("corpus.txt.xz")
+CORPUS_SHA256 = "37d06970fc926e60c16dff401e441b84752446a36b6b64516c229fdec77e992c"
 
-def load_corpus() -> str:
-    """The documentation topics of the running Python, joined in sorted-key order."""
+
+def python_docs_text() -> str:
+    """The running Python's documentation topics, joined in sorted-key order.
+
+    ``corpus.txt.xz`` was written from Python 3.11.7 with
+    ``lzma.compress(python_docs_text().encode(), preset=9)``.
+    """
     from pydoc_data.topics import topics
 
     return "".join(topics[key] for key in sorted(topics))
+
+
+def load_corpus() -> str:
+    """The stored corpus (Python 3.11's documentation topics), checked against its hash."""
+    data = lzma.decompress(CORPUS_PATH.read_bytes())
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != CORPUS_SHA256:
+        raise ValueError(f"{CORPUS_PATH} is damaged: sha256 {digest}, expected {CORPUS_SHA256}")
+    return data.decode()
 
 
 @dataclasses.dataclass(frozen=True)
