@@ -155,3 +155,38 @@ def test_inner_update_is_traced_once():
         params, opt_state = step(grads, opt_state, params)
     assert traces == {"inner": 1, "step": 1}
     assert int(jaxmp.loss_scale_metrics(opt_state)["skipped_steps"]) == 1
+
+
+def test_select_at_source_copies_the_inner_update_instead_of_binding_it_again(monkeypatch):
+    """Under jit, the traced inner update is copied into the step's trace with the selects
+    among its equations; binding every equation again would trace the update a second time
+    (it did: the lowering of `loss_scaling(adam)` took twice Adam's). The program is the one
+    the equation-by-equation path (kept for vmap and shard_map) builds."""
+    from jaxmp._src import compat
+
+    tx = jaxmp.loss_scaling(optax.adam(1e-3))
+    params = _tree(SMALL, F32)
+    opt_state = tx.init(params)
+
+    def step(grads, opt_state, params):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    binds = []
+    bind = compat.bind
+    monkeypatch.setattr(compat, "bind", lambda *a, **k: binds.append(1) or bind(*a, **k))
+    copied = jax.jit(lambda *a: step(*a)).lower(params, opt_state, params)
+    assert binds == []
+    monkeypatch.setattr(compat, "inline_with_selects", lambda *a, **k: None)
+    rebound = jax.jit(lambda *a: step(*a)).lower(params, opt_state, params)
+    assert len(binds) > 10 * SMALL
+    ops = [collections.Counter(_STABLEHLO_OP.findall(lo.as_text())) for lo in (copied, rebound)]
+    assert ops[0] == ops[1]
+    costs = [lo.compile().cost_analysis() for lo in (copied, rebound)]
+    costs = [c[0] if isinstance(c, list) else c for c in costs]
+    assert costs[0]["bytes accessed"] == costs[1]["bytes accessed"]
+    grads = jax.tree.map(lambda p: p + 0.5, params)
+    grads["p0003"] = grads["p0003"].at[1, 2].set(jnp.inf)
+    for args in ((params, opt_state, params), (grads, opt_state, params)):
+        out = [lo.compile()(*args) for lo in (copied, rebound)]
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), *out))

@@ -36,6 +36,7 @@ __all__ = [
     "bind",
     "eqn_context",
     "has_subjaxprs",
+    "inline_with_selects",
     "custom_jvp_rule_jaxpr",
     "is_symbolic_zero",
     "is_tracer",
@@ -73,6 +74,14 @@ INTERNAL_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # only in jax._src, same signature and `Frame` fields in jax 0.8 to 0.12.
     ("user_frames", ("jax._src.source_info_util.user_frames",)),
     ("Tracer", ("jax.core.Tracer",)),
+    ("Var", ("jax.extend.core.Var",)),
+    # The jit trace being built and how `jax.jit(inline=True)` copies a jaxpr's equations into
+    # it: only in jax._src, the same in jax 0.8 to 0.12 (`inline_with_selects`).
+    ("trace_ctx", ("jax._src.core.trace_ctx",)),
+    ("DynamicJaxprTrace", ("jax._src.interpreters.partial_eval.DynamicJaxprTrace",)),
+    ("DynamicJaxprTracer", ("jax._src.interpreters.partial_eval.DynamicJaxprTracer",)),
+    ("inline_jaxpr_into_trace", ("jax._src.interpreters.partial_eval.inline_jaxpr_into_trace",)),
+    ("current_source_info", ("jax.extend.source_info_util.current",)),
     ("SymbolicZero", ("jax.custom_derivatives.SymbolicZero",)),
     ("mlir_lowerings", ("jax._src.interpreters.mlir._lowerings",)),
     (
@@ -124,6 +133,7 @@ Literal = resolve("Literal")
 Primitive = resolve("Primitive")
 Tracer = resolve("Tracer")
 SymbolicZero = resolve("SymbolicZero")
+Var = resolve("Var")
 jaxprs_in_params = resolve("jaxprs_in_params")
 
 
@@ -200,6 +210,119 @@ def bind(eqn: Any, vals: Sequence[Any], params: dict[str, Any] | None = None) ->
         subfuns, bind_params = bind_params
     out = eqn.primitive.bind(*subfuns, *vals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _one_equation(fn: Any, *avals: Any) -> tuple[Any, list[Any]] | None:
+    """The single equation of ``make_jaxpr(fn)`` on arguments of `avals` and that jaxpr's
+    input variables (the arguments, in order), or None."""
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    jaxpr, consts = jaxpr_and_consts(jax.make_jaxpr(fn)(*specs))
+    if len(jaxpr.eqns) != 1 or consts:
+        return None
+    (eqn,) = jaxpr.eqns
+    invars = list(jaxpr.invars)
+    if [v.aval for v in invars] != list(avals):
+        return None  # the aval has more than a shape, dtype and weak type (a sharding, vma)
+    if not all(isinstance(v, Var) and any(v is w for w in invars) for v in eqn.invars):
+        return None
+    return eqn, invars
+
+
+def inline_with_selects(
+    closed: Any, args: Sequence[Any], selects: dict[Any, tuple[Any, Any]]
+) -> tuple[list[Any], set[Any]] | None:
+    """`closed` applied to `args`, copied into the jit trace being built, with selects.
+
+    `selects` maps a variable ``v`` computed by one of `closed`'s equations to ``(old, pred)``:
+    the input variable holding its old value and a boolean array of its shape. Right after the
+    equation that computes it, ``v`` is replaced by ``select(pred, v, old)``, and every later
+    equation reads the selected value. The equations are copied as `jax.jit(inline=True)`
+    copies a callee's (``inline_jaxpr_into_trace``, which reads only a jaxpr's ``constvars``,
+    ``invars``, ``eqns`` and ``outvars``: the same in jax 0.8 to 0.12), not bound one by one
+    again, which would trace the function a second time.
+
+    Returns the outputs and the variables selected (all of `selects` but scalars), or None
+    when the copy does not apply: not inside a jit trace, an argument, constant or `pred` from
+    another trace, or a type with more than a shape and dtype (a device-varying value under
+    `shard_map`, an explicit sharding), whose selects the caller's binding types itself.
+    """
+    trace = resolve("trace_ctx").trace
+    tracer_type = resolve("DynamicJaxprTracer")
+    if not isinstance(trace, resolve("DynamicJaxprTrace")):
+        return None
+    jaxpr, consts = jaxpr_and_consts(closed)
+    const_vars, const_vals, lifted_vars, lifted_vals = [], [], [], []
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        if isinstance(value, Tracer):
+            lifted_vars.append(var)
+            lifted_vals.append(value)
+        else:
+            const_vars.append(var)
+            const_vals.append(value)
+    pred_vars: dict[int, Any] = {}  # id of a pred tracer -> its input variable
+    pred_vals: list[Any] = []
+    templates: dict[Any, Any] = {}
+    eqns: list[Any] = []
+    subst: dict[Any, Any] = {}
+    selected: set[Any] = set()
+
+    def select_eqn(var: Any, old: Any, pred: Any) -> Any:
+        aval = var.aval
+        if old.aval != aval:
+            raise _NotCopied
+        pb = pred_vars.get(id(pred))
+        if pb is None:
+            pb = pred_vars[id(pred)] = Var(jax.typeof(pred))
+            pred_vals.append(pred)
+        key = (pb.aval, aval)
+        if key not in templates:
+            templates[key] = _one_equation(jax.lax.select, pb.aval, aval, aval)
+        if templates[key] is None or templates[key][0].outvars[0].aval != aval:
+            raise _NotCopied
+        template, template_args = templates[key]
+        out = Var(aval)
+        position = {id(v): i for i, v in enumerate(template_args)}
+        invars = [(pb, var, old)[position[id(v)]] for v in template.invars]
+        subst[var] = out
+        selected.add(var)
+        return template.replace(invars=invars, outvars=[out])
+
+    try:
+        for eqn in jaxpr.eqns:
+            if subst and any(not isinstance(v, Literal) and v in subst for v in eqn.invars):
+                eqn = eqn.replace(
+                    invars=[v if isinstance(v, Literal) else subst.get(v, v) for v in eqn.invars]
+                )
+            eqns.append(eqn)
+            for var in eqn.outvars:
+                if not isinstance(var, DropVar) and var in selects and var not in subst:
+                    if var.aval.shape:
+                        eqns.append(select_eqn(var, *selects[var]))
+    except _NotCopied:
+        return None
+    tracers = [*lifted_vals, *args, *pred_vals]
+    if not all(isinstance(t, tracer_type) and t._trace is trace for t in tracers):
+        return None
+    program = _JaxprParts(
+        constvars=const_vars,
+        invars=[*lifted_vars, *jaxpr.invars, *pred_vars.values()],
+        eqns=eqns,
+        outvars=[v if isinstance(v, Literal) else subst.get(v, v) for v in jaxpr.outvars],
+    )
+    inline = resolve("inline_jaxpr_into_trace")
+    outs = inline(trace, resolve("current_source_info")(), program, const_vals, *tracers)
+    return list(outs), selected
+
+
+class _NotCopied(Exception):
+    """A select `inline_with_selects` cannot write as an equation."""
+
+
+class _JaxprParts:
+    """The four parts of a jaxpr ``inline_jaxpr_into_trace`` reads."""
+
+    def __init__(self, *, constvars: Any, invars: Any, eqns: Any, outvars: Any):
+        self.constvars, self.invars, self.eqns, self.outvars = constvars, invars, eqns, outvars
 
 
 def eqn_context(eqn: Any) -> contextlib.AbstractContextManager[Any]:

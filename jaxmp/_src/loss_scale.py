@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxmp._src import dtypes
+from jaxmp._src import compat, dtypes
 
 T = TypeVar("T")
 
@@ -49,6 +49,10 @@ def _show(value: Any) -> str:
 
 def _concrete(x: Any) -> np.ndarray | None:
     """`x` as a NumPy array, or None when it is a tracer (its value is not known)."""
+    if compat.is_tracer(x):
+        # Checked first: the error `np.asarray` raises for a tracer describes where the
+        # value came from, walking the whole program traced so far.
+        return None
     try:
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):

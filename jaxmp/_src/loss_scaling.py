@@ -378,6 +378,26 @@ def _update_selecting_at_source(
             scalar = jnp.ndim(old) == 0
             old_of[var] = None if (var in old_of or scalar) else old
 
+    # Under jit (the usual case), the equations are copied into the trace with the selects
+    # placed among them; elsewhere (under vmap, say) they are bound again one by one.
+    n_grads = len(g_leaves)
+    old_var = {id(old): var for old, var in zip(s_leaves, jaxpr.invars[n_grads:], strict=True)}
+    copied = compat.inline_with_selects(
+        closed,
+        g_leaves + s_leaves,
+        {
+            var: (old_var[id(old)], shared("finite", old))
+            for var, old in old_of.items()
+            if old is not None
+        },
+    )
+    if copied is not None:
+        outs, selected = copied
+        for var in old_of:
+            if var not in selected:
+                old_of[var] = None  # selected at the end
+        return _selected_outputs(shared, outs, u_shape, s_shape, state_vars, s_leaves, old_of)
+
     env: dict[Any, Any] = {}
 
     def read(var):
@@ -409,6 +429,21 @@ def _update_selecting_at_source(
             write(var, value)
 
     outs = [read(var) for var in jaxpr.outvars]
+    return _selected_outputs(shared, outs, u_shape, s_shape, state_vars, s_leaves, old_of)
+
+
+def _selected_outputs(
+    shared: _Broadcasts,
+    outs: list[Any],
+    u_shape: Any,
+    s_shape: Any,
+    state_vars: list[Any],
+    s_leaves: list[Any],
+    old_of: dict[Any, Any],
+) -> tuple[Any, Any]:
+    """The zeroed updates and the new state, each state leaf not selected where it was
+    computed (``old_of[var] is None``) selected now."""
+    n_updates = len(outs) - len(state_vars)
     new_updates = jax.tree.unflatten(jax.tree.structure(u_shape), outs[:n_updates])
     new_state = []
     for var, value, old in zip(state_vars, outs[n_updates:], s_leaves, strict=True):
