@@ -230,7 +230,7 @@ def _one_equation(fn: Any, *avals: Any) -> tuple[Any, list[Any]] | None:
 
 def inline_with_selects(
     closed: Any, args: Sequence[Any], selects: dict[Any, tuple[Any, Any]]
-) -> tuple[list[Any], set[Any]] | None:
+) -> list[Any] | None:
     """`closed` applied to `args`, copied into the jit trace being built, with selects.
 
     `selects` maps a variable ``v`` computed by one of `closed`'s equations to ``(old, pred)``:
@@ -241,7 +241,7 @@ def inline_with_selects(
     ``invars``, ``eqns`` and ``outvars``: the same in jax 0.8 to 0.12), not bound one by one
     again, which would trace the function a second time.
 
-    Returns the outputs and the variables selected (all of `selects` but scalars), or None
+    Returns the outputs, every variable of `selects` selected where it is computed, or None
     when the copy does not apply: not inside a jit trace, an argument, constant or `pred` from
     another trace, or a type with more than a shape and dtype (a device-varying value under
     `shard_map`, an explicit sharding), whose selects the caller's binding types itself.
@@ -259,12 +259,13 @@ def inline_with_selects(
         else:
             const_vars.append(var)
             const_vals.append(value)
+    if not all(isinstance(t, tracer_type) and t._trace is trace for t in [*lifted_vals, *args]):
+        return None
     pred_vars: dict[int, Any] = {}  # id of a pred tracer -> its input variable
     pred_vals: list[Any] = []
     templates: dict[Any, Any] = {}
     eqns: list[Any] = []
-    subst: dict[Any, Any] = {}
-    selected: set[Any] = set()
+    subst: dict[Any, Any] = {}  # a variable of `selects` -> its selected value
 
     def select_eqn(var: Any, old: Any, pred: Any) -> Any:
         aval = var.aval
@@ -284,7 +285,6 @@ def inline_with_selects(
         position = {id(v): i for i, v in enumerate(template_args)}
         invars = [(pb, var, old)[position[id(v)]] for v in template.invars]
         subst[var] = out
-        selected.add(var)
         return template.replace(invars=invars, outvars=[out])
 
     try:
@@ -296,12 +296,12 @@ def inline_with_selects(
             eqns.append(eqn)
             for var in eqn.outvars:
                 if not isinstance(var, DropVar) and var in selects and var not in subst:
-                    if var.aval.shape:
-                        eqns.append(select_eqn(var, *selects[var]))
+                    eqns.append(select_eqn(var, *selects[var]))
     except _NotCopied:
         return None
-    tracers = [*lifted_vals, *args, *pred_vals]
-    if not all(isinstance(t, tracer_type) and t._trace is trace for t in tracers):
+    if len(subst) != len(selects):  # a variable no equation computes: not this function's use
+        return None
+    if not all(isinstance(t, tracer_type) and t._trace is trace for t in pred_vals):
         return None
     program = _JaxprParts(
         constvars=const_vars,
@@ -310,8 +310,8 @@ def inline_with_selects(
         outvars=[v if isinstance(v, Literal) else subst.get(v, v) for v in jaxpr.outvars],
     )
     inline = resolve("inline_jaxpr_into_trace")
-    outs = inline(trace, resolve("current_source_info")(), program, const_vals, *tracers)
-    return list(outs), selected
+    tracers = [*lifted_vals, *args, *pred_vals]
+    return list(inline(trace, resolve("current_source_info")(), program, const_vals, *tracers))
 
 
 class _NotCopied(Exception):

@@ -369,7 +369,9 @@ def _update_selecting_at_source(
     state_vars = jaxpr.outvars[n_updates:]
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     old_of: dict[Any, Any] = {}  # new state var -> old value; None: select at the end
-    for var, old in zip(state_vars, s_leaves, strict=True):
+    old_input: dict[Any, Any] = {}  # new state var -> the input variable of its old value
+    state_inputs = jaxpr.invars[len(g_leaves) :]
+    for var, old, old_var in zip(state_vars, s_leaves, state_inputs, strict=True):
         if not isinstance(var, compat.Literal) and var not in inputs:
             # Scalars (Adam's count) are selected at the end: selecting them costs no
             # memory traffic, and the computations after them then see the new value,
@@ -377,26 +379,21 @@ def _update_selecting_at_source(
             # in the discarded update of a skipped first step, and its hypergradient NaN).
             scalar = jnp.ndim(old) == 0
             old_of[var] = None if (var in old_of or scalar) else old
+            old_input[var] = old_var
 
     # Under jit (the usual case), the equations are copied into the trace with the selects
     # placed among them; elsewhere (under vmap, say) they are bound again one by one.
-    n_grads = len(g_leaves)
-    old_var = {id(old): var for old, var in zip(s_leaves, jaxpr.invars[n_grads:], strict=True)}
     copied = compat.inline_with_selects(
         closed,
         g_leaves + s_leaves,
         {
-            var: (old_var[id(old)], shared("finite", old))
+            var: (old_input[var], shared("finite", old))
             for var, old in old_of.items()
             if old is not None
         },
     )
     if copied is not None:
-        outs, selected = copied
-        for var in old_of:
-            if var not in selected:
-                old_of[var] = None  # selected at the end
-        return _selected_outputs(shared, outs, u_shape, s_shape, state_vars, s_leaves, old_of)
+        return _selected_outputs(shared, copied, u_shape, s_shape, state_vars, s_leaves, old_of)
 
     env: dict[Any, Any] = {}
 
