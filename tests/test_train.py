@@ -306,7 +306,7 @@ def test_batches_depend_only_on_seed_and_step():
 
 def test_corpus_is_the_same_text_on_every_python(monkeypatch):
     # Each Python release ships a different revision of pydoc_data's topics; the main job reads
-    # the stored copy, so its numbers do not depend on the Python that runs it.
+    # the stored copy, so its data does not depend on the Python that runs it.
     import types
 
     text = data_lib.load_corpus()

@@ -3,9 +3,9 @@
 The corpus is Python 3.11's `pydoc_data.topics.topics`, its values joined in sorted-key order,
 stored next to this file as ``corpus.txt.xz`` (95 kB; 464,970 characters, 103 distinct). Each
 Python release ships a different revision of that text (3.12's is 492,155 characters, 3.13's
-510,586), so the copy keeps every number the main job prints the same whichever Python runs
-it. `python_docs_text` gives the running Python's own text. The last `val_fraction` is held
-out.
+510,586), so the copy keeps the text, and with a given JAX version the numbers the main job
+prints, the same whichever Python runs it. `python_docs_text` gives the running Python's own
+text. The last `val_fraction` is held out.
 Training batches are a pure function of ``(seed, step)``: a run resumed at step ``s`` sees
 exactly the batches an uninterrupted run would have seen from step ``s`` on.
 """
