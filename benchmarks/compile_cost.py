@@ -33,10 +33,17 @@ With ``--before PATH`` (another checkout, e.g. ``git worktree add /tmp/before <c
 ``--only update`` compiles plain Adam, `jaxmp.loss_scaling` and `jaxmp.mixed_precision` with
 float16 params with the jaxmp of both checkouts, each compile in a fresh process, interleaved.
 
-Run from the repository root (the default run takes a few minutes on 2 CPU cores)::
+The peers that check each leaf on its own and select after the update (jmp's glue, Flax's
+`DynamicScale` with ``jnp.where``, the hand-written steps) compile in time quadratic in the leaf
+count (2 minutes at 250 leaves on 2 CPU cores, not finished after 6 at 500): beyond 250 leaves
+name the linear rows with ``--approaches``. On 2 CPU cores ``--only update`` at its default
+leaves took 8 minutes and ``--only steptime`` 4 minutes.
+
+Run from the repository root::
 
     PYTHONPATH=. python benchmarks/compile_cost.py
-    PYTHONPATH=. python benchmarks/compile_cost.py --only update --leaves 10 100 500 2000 5000
+    PYTHONPATH=. python benchmarks/compile_cost.py --only update --leaves 500 2000 \\
+        --approaches optax.adam "jaxmp.loss_scaling(adam)"
     PYTHONPATH=. python benchmarks/compile_cost.py --only deep --layers 12 24 48
     PYTHONPATH=. python benchmarks/compile_cost.py --only autocast --autocast-layers 2 8 16 32
     PYTHONPATH=. python benchmarks/compile_cost.py --only update --before /tmp/before
@@ -672,7 +679,7 @@ def main(argv: list[str] | None = None) -> None:
     sections = ["update", "deep", "autocast", "steptime", "memory"]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=sections, default=sections)
-    parser.add_argument("--leaves", type=int, nargs="+", default=[10, 100, 500])
+    parser.add_argument("--leaves", type=int, nargs="+", default=[10, 100, 250])
     parser.add_argument("--repeats", type=int, default=2, help="fresh compiles per figure")
     parser.add_argument(
         "--approaches", nargs="+", default=None, help="update rows to run (names as printed)"
@@ -686,7 +693,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 12])
     parser.add_argument("--autocast-layers", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--steptime-leaves", type=int, default=2000)
+    parser.add_argument("--steptime-leaves", type=int, default=250)
     parser.add_argument("--rounds", type=int, default=30, help="step-time rounds")
     args = parser.parse_args(argv)
     start = time.perf_counter()

@@ -75,9 +75,31 @@ def test_every_approach_skips_an_overflowing_float16_step(benchmarks_on_path, ap
 
     config = _model.CONFIGS["tiny"]
     init, step = _model.make_step(approach, "mixed_float16", config)
-    carry = init(0)
+    carry = jax.jit(init, static_argnums=0)(0)
     # A loss scale of 2**15 on top of a huge loss overflows float16 in the backward pass.
     big = jax.tree.map(lambda x: x * 1e4 if x.dtype == jnp.float32 and x.ndim == 2 else x, carry[0])
     new, loss = jax.jit(step)((big, *carry[1:]), _model.batch(config))
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), new[0], big)
     assert all(jax.tree.leaves(same)), approach
+
+
+def test_compile_cost_update_and_step_time_sections(benchmarks_on_path, capsys):
+    import compile_cost
+
+    names = ["optax.adam", "jaxmp.loss_scaling(adam)", "hand-written loss scaling (select after)"]
+    compile_cost.main(
+        ["--only", "update", "--leaves", "3", "--repeats", "1", "--approaches", *names]
+    )
+    out = capsys.readouterr().out
+    rows = {
+        line.split("|")[2].strip(): line for line in out.splitlines() if line.startswith("| 3 ")
+    }
+    assert set(rows) == set(names)
+    instructions = {name: int(row.split("|")[-2].replace(",", "")) for name, row in rows.items()}
+    assert instructions["optax.adam"] < instructions["jaxmp.loss_scaling(adam)"]
+    compile_cost.main(["--only", "steptime", "--steptime-leaves", "2", "--rounds", "2"])
+    out = capsys.readouterr().out
+    times = [
+        line for line in out.splitlines() if line.startswith("| ") and "ms / update" not in line
+    ]
+    assert len(times) == len(compile_cost.STEP_APPROACHES), out
