@@ -806,7 +806,7 @@ def _train(policy, steps=60):
 
     model = TinyLM()
     data = _markov_batches(steps, 8, 16, model.vocab)
-    params = model.init(jax.random.key(0), data[0])["params"]
+    params = jax.jit(model.init)(jax.random.key(0), data[0])["params"]
 
     def loss_fn(params, tokens):
         logits = model.apply({"params": params}, tokens[:, :-1])
@@ -828,7 +828,7 @@ def _train(policy, steps=60):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    opt_state = tx.init(params)
+    opt_state = jax.jit(tx.init)(params)
     losses = []
     for tokens in data:
         params, opt_state, loss = step(params, opt_state, tokens)
@@ -874,7 +874,7 @@ def test_training_parity_on_the_main_job_model():
         d_model=64,
         mlp_ratio=4,
     )
-    params0 = model.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
+    params0 = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
 
     def loss_fn(params, inputs, targets):
         return model_lib.cross_entropy(model.apply({"params": params}, inputs), targets)
@@ -903,7 +903,7 @@ def test_training_parity_on_the_main_job_model():
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        params, opt_state, losses = params0, tx.init(params0), []
+        params, opt_state, losses = params0, jax.jit(tx.init)(params0), []
         for inputs, targets in batches:
             params, opt_state, loss = step(params, opt_state, inputs, targets)
             losses.append(float(loss))

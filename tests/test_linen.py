@@ -17,7 +17,7 @@ import jaxmp.linen
 
 from .conftest import F16, F32, primitive_dtypes
 
-STEPS = 300
+STEPS = 150
 BATCH = 64
 NORM_OVERRIDES = {nn.LayerNorm: "float32", nn.BatchNorm: "float32"}
 POLICIES = {
@@ -57,16 +57,21 @@ class TrainState(jaxmp.linen.TrainState):
 
 def create_state(policy, tx=None, loss_scale=None, seed=0):
     model = CNN()
-    variables = model.init(jax.random.key(seed), jnp.zeros((1, 8, 8, 1)), train=False)
     if tx is None:
         tx = jaxmp.mixed_precision(optax.adam(3e-3), policy, loss_scale)
-    return TrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        batch_stats=variables["batch_stats"],
-        tx=tx,
-        policy=policy,
-    )
+
+    @jax.jit  # one compile for the whole init, not one per operation
+    def create(key):
+        variables = model.init(key, jnp.zeros((1, 8, 8, 1)), train=False)
+        return TrainState.create(
+            apply_fn=model.apply,
+            params=variables["params"],
+            batch_stats=variables["batch_stats"],
+            tx=tx,
+            policy=policy,
+        )
+
+    return create(jax.random.key(seed))
 
 
 def loss_fn(params, state, x, y):

@@ -7,6 +7,7 @@ before jax is imported). Each prints one JSON object on its last line of stdout.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -74,12 +75,22 @@ def make_optimizer(policy: jaxmp.Policy) -> optax.GradientTransformationExtraArg
     return jaxmp.mixed_precision(optax.sgd(LEARNING_RATE, momentum=0.9), policy)
 
 
-def init(policy: jaxmp.Policy, tx: optax.GradientTransformation, kind: str, seed: int = 0):
-    """Float32 init (the same values for every policy), optimizer state from it, params cast."""
-    model = make_model(policy, kind, param_dtype=jnp.float32)
+@functools.cache
+def _float32_params(kind: str, seed: int) -> Any:
+    """The float32 init of `kind`, as NumPy arrays: computed once per process (one compile)."""
+    model = make_model(jaxmp.get_policy("float32"), kind)
     tokens = jnp.zeros((1, SEQ_LEN), jnp.int32)
-    params_f32 = jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"]
-    return policy.cast_to_param(params_f32), tx.init(params_f32)
+    return jax.device_get(jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"])
+
+
+def init(policy: jaxmp.Policy, tx: optax.GradientTransformation, kind: str, seed: int = 0):
+    """Float32 init (the same values for every policy), optimizer state from it, params cast.
+
+    Fresh arrays on every call (a train step may donate them); the optimizer state is built by
+    one jitted `tx.init` rather than op by op.
+    """
+    params_f32 = jax.tree.map(jnp.asarray, _float32_params(kind, seed))
+    return policy.cast_to_param(params_f32), jax.jit(tx.init)(params_f32)
 
 
 def batch(step: int, rows: int = BATCH, seed: int = 0) -> dict[str, np.ndarray]:
