@@ -1,5 +1,6 @@
 """jaxmp.linen: policy_scope and TrainState, trained on scikit-learn's 8x8 digits."""
 
+import functools
 import subprocess
 import sys
 
@@ -56,22 +57,23 @@ class TrainState(jaxmp.linen.TrainState):
 
 
 def create_state(policy, tx=None, loss_scale=None, seed=0):
-    model = CNN()
     if tx is None:
         tx = jaxmp.mixed_precision(optax.adam(3e-3), policy, loss_scale)
+    return _create_state(policy, tx, jax.random.key(seed))
 
-    @jax.jit  # one compile for the whole init, not one per operation
-    def create(key):
-        variables = model.init(key, jnp.zeros((1, 8, 8, 1)), train=False)
-        return TrainState.create(
-            apply_fn=model.apply,
-            params=variables["params"],
-            batch_stats=variables["batch_stats"],
-            tx=tx,
-            policy=policy,
-        )
 
-    return create(jax.random.key(seed))
+# One compile for the whole init (not one per operation), reused for the same policy and tx.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _create_state(policy, tx, key):
+    model = CNN()
+    variables = model.init(key, jnp.zeros((1, 8, 8, 1)), train=False)
+    return TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        batch_stats=variables["batch_stats"],
+        tx=tx,
+        policy=policy,
+    )
 
 
 def loss_fn(params, state, x, y):
