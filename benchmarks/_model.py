@@ -192,11 +192,19 @@ def make_step(
 ) -> tuple[Any, Any]:
     """Returns ``(init, step)``.
 
-    ``init(seed) -> carry`` and ``step(carry, tokens) -> (carry, loss)``; `step` is not jitted.
-    `precision` is a `jaxmp.get_policy` string. Float16 compute uses a dynamic loss scale
-    starting at 2**15 for every approach but "optax" (which never scales); bfloat16 and float32
-    use a loss scale of 1 where the approach needs one.
+    ``init(seed) -> carry`` and ``step(carry, tokens) -> (carry, loss)``; `init` is jitted (one
+    compile, not one per operation), `step` is not. `precision` is a `jaxmp.get_policy` string.
+    Float16 compute uses a dynamic loss scale starting at 2**15 for every approach but "optax"
+    (which never scales); bfloat16 and float32 use a loss scale of 1 where the approach needs
+    one.
     """
+    init, step = _init_and_step(approach, precision, config, learning_rate)
+    return jax.jit(init, static_argnums=0), step
+
+
+def _init_and_step(
+    approach: str, precision: str, config: Config, learning_rate: float
+) -> tuple[Any, Any]:
     if approach not in APPROACHES:
         raise ValueError(f"`approach` must be one of {APPROACHES}, got {approach!r}.")
     param_dtype, compute_dtype = _dtypes(precision)

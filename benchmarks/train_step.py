@@ -45,7 +45,7 @@ LABELS = {
 def _compile(approach: str, precision: str, config: _model.Config, tokens: Any):
     """Builds, lowers and compiles a fresh step; returns (compiled, carry, lower s, compile s)."""
     init, step = _model.make_step(approach, precision, config)
-    carry = jax.jit(init, static_argnums=0)(0)  # one compile, not one per operation
+    carry = init(0)
     jax.block_until_ready(carry)
     t0 = time.perf_counter()
     lowered = jax.jit(step).lower(carry, tokens)
