@@ -250,6 +250,10 @@ def inline_with_selects(
     tracer_type = resolve("DynamicJaxprTracer")
     if not isinstance(trace, resolve("DynamicJaxprTrace")):
         return None
+
+    def of_this_trace(values: Sequence[Any]) -> bool:
+        return all(isinstance(t, tracer_type) and t._trace is trace for t in values)
+
     jaxpr, consts = jaxpr_and_consts(closed)
     const_vars, const_vals, lifted_vars, lifted_vals = [], [], [], []
     for var, value in zip(jaxpr.constvars, consts, strict=True):
@@ -259,7 +263,7 @@ def inline_with_selects(
         else:
             const_vars.append(var)
             const_vals.append(value)
-    if not all(isinstance(t, tracer_type) and t._trace is trace for t in [*lifted_vals, *args]):
+    if not of_this_trace([*lifted_vals, *args]):
         return None
     pred_vars: dict[int, Any] = {}  # id of a pred tracer -> its input variable
     pred_vals: list[Any] = []
@@ -301,7 +305,7 @@ def inline_with_selects(
         return None
     if len(subst) != len(selects):  # a variable no equation computes: not this function's use
         return None
-    if not all(isinstance(t, tracer_type) and t._trace is trace for t in pred_vals):
+    if not of_this_trace(pred_vals):
         return None
     program = _JaxprParts(
         constvars=const_vars,
