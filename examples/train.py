@@ -42,6 +42,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -597,10 +598,16 @@ def restore_checkpoint(workdir: pathlib.Path, steps: Sequence[int], state: Any) 
     """
     step = steps[-1]
     options = ocp.CheckpointManagerOptions(create=False)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_ignore_abandoned_reads, previous_hook)
     try:
         with ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
             restored = manager.restore(step, args=ocp.args.StandardRestore(state))
     except Exception as e:  # orbax and tensorstore raise plain Exceptions for damaged files
+        # Reads still in flight finish after this error is reported: their reports stay silenced.
+        warnings.filterwarnings(
+            "ignore", r"coroutine '.*' was never awaited", RuntimeWarning, append=False
+        )
         path = show_path(workdir / "checkpoints" / str(step))
         earlier = (
             f"delete it to resume from step {steps[-2]}, or"
@@ -611,7 +618,22 @@ def restore_checkpoint(workdir: pathlib.Path, steps: Sequence[int], state: Any) 
             f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {_short_reason(e)}); "
             f"{earlier} start again with --overwrite."
         ) from None
+    sys.unraisablehook = previous_hook
     return restored
+
+
+def _ignore_abandoned_reads(previous: Any, unraisable: Any) -> None:
+    """An unraisable-exception hook that drops the reports of a failed restore's leftover reads.
+
+    When one read of a damaged checkpoint fails, orbax stops waiting and closes its event loop;
+    tensorstore's threads then finish the other reads and try to post each result to that closed
+    loop, and Python reports every attempt as a `RuntimeError: Event loop is closed` traceback.
+    Those results are unwanted anyway (the coroutines that would have taken them are never awaited,
+    a warning the caller silences too). Any other unraisable exception goes to `previous`.
+    """
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        previous(unraisable)
 
 
 def load_history(workdir: pathlib.Path, upto: int) -> list[dict[str, Any]]:
