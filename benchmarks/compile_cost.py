@@ -1,6 +1,6 @@
 """Cost at real model sizes: compile time, step time and memory as the model grows.
 
-Five measurements, each selectable with ``--only``:
+Six measurements, each selectable with ``--only``:
 
 ``update``
   Lower and compile time of one optimizer update plus `optax.apply_updates` (the programs of
@@ -10,6 +10,10 @@ Five measurements, each selectable with ``--only``:
   in a rotating order and each figure is the best of ``--repeats``; the ratio is to plain
   `optax.adam` of the same round of measurements. The HLO instruction count of the compiled
   program (deterministic) is shown beside.
+``breakdown``
+  Instructions per leaf of the compiled update (plain Adam, `loss_scaling(adam)`,
+  `mixed_precision` with float16 params) by opcode, at 64 leaves: where the extra compile
+  work of each wrapper is. Deterministic.
 ``deep``
   The same for a full train step of the main job's transformer (`examples/lm/model.py`,
   unscanned, 16 parameter leaves per layer) with the main job's optimizer
@@ -52,9 +56,11 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import inspect
 import os
+import re
 import resource
 import statistics
 import sys
@@ -191,6 +197,35 @@ def update_compile_times(
         out[n] = interleaved(builders, repeats)
         print(f"  ({n} leaves done)", file=sys.stderr, flush=True)
     return out
+
+
+BREAKDOWN_OPCODES = ["parameter", "broadcast", "constant", "multiply", "select", "convert"]
+
+
+def breakdown_rows(n: int = 64) -> list[list[str]]:
+    """Instructions per leaf of the compiled update by opcode (deterministic), for plain Adam,
+    `loss_scaling(adam)` and `mixed_precision` with float16 params."""
+    rows = []
+    for name, dtype, build in UPDATE_APPROACHES[:3]:
+        init, step = build(optax.adam(1e-3))
+        params = leaf_tree(n, dtype)
+        opt_state = jax.eval_shape(init, jax.tree.map(lambda p: p.astype(F32), params))
+        text = jax.jit(step).lower(params, opt_state, params).compile().as_text()
+        ops = collections.Counter(
+            m.group(1)
+            for line in text.splitlines()
+            if " = " in line and "%" in line
+            for m in [re.search(r"= \S+ ([a-z][\w\-]*)\(", line)]
+            if m
+        )
+        total = sum(ops.values())
+        named = [ops[op] for op in BREAKDOWN_OPCODES]
+        rows.append(
+            [name, f"{total / n:.1f}", f"{ops['fusion'] / n:.2f}"]
+            + [f"{c / n:.2f}" for c in named]
+            + [f"{(total - sum(named) - ops['fusion']) / n:.2f}"]
+        )
+    return rows
 
 
 BEFORE_AFTER = [
@@ -676,7 +711,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--child"]:
         _child(argv[1], argv[2], int(argv[3]))
         return
-    sections = ["update", "deep", "autocast", "steptime", "memory"]
+    sections = ["update", "breakdown", "deep", "autocast", "steptime", "memory"]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=sections, default=sections)
     parser.add_argument("--leaves", type=int, nargs="+", default=[10, 100, 250])
@@ -712,6 +747,13 @@ def main(argv: list[str] | None = None) -> None:
             f"best of {args.repeats} fresh compiles, interleaved\n"
         )
         print(update_table(results))
+    if "breakdown" in args.only:
+        print(
+            "\nInstructions per leaf of the compiled update + apply_updates by opcode, 64 "
+            "leaves of 64x64 (deterministic)\n"
+        )
+        header = ["update", "per leaf", "fusions", *BREAKDOWN_OPCODES, "other"]
+        print(_hlo.table(header, breakdown_rows()))
     if "deep" in args.only:
         results = deep_compile_times(args.layers, args.repeats)
         print(

@@ -103,3 +103,20 @@ def test_compile_cost_update_and_step_time_sections(benchmarks_on_path, capsys):
         line for line in out.splitlines() if line.startswith("| ") and "ms / update" not in line
     ]
     assert len(times) == len(compile_cost.STEP_APPROACHES), out
+
+
+def test_compile_cost_breakdown_rows(benchmarks_on_path):
+    import compile_cost
+
+    rows = {row[0]: row for row in compile_cost.breakdown_rows(n=4)}
+    assert list(rows) == [name for name, _, _ in compile_cost.UPDATE_APPROACHES[:3]]
+    header = ["update", "per leaf", "fusions", *compile_cost.BREAKDOWN_OPCODES, "other"]
+    selects = header.index("select")
+    for row in rows.values():
+        assert len(row) == len(header)
+        # The opcode columns add up to the instructions per leaf.
+        assert abs(sum(map(float, row[2:])) - float(row[1])) < 0.1, row
+    # Plain Adam has no selects; loss scaling adds at least the four per leaf (the gradient,
+    # the two moments and the update).
+    assert float(rows["optax.adam"][selects]) < 1
+    assert float(rows["jaxmp.loss_scaling(adam)"][selects]) >= 4
