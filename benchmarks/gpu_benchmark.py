@@ -15,7 +15,10 @@ lower + compile time to the first row of their group. The FP8 rows run mixed_bfl
 the linear layers' matmuls in FP8 (`jaxmp.autocast` with a recipe: current, delayed and block
 scaling; the head and attention's products of activations stay in bfloat16, as in
 examples/train.py's ``fp8`` key); a line after the table gives their tokens/s over the
-mixed_bfloat16 row's (the target on a Hopper GPU is 1.3x or more).
+mixed_bfloat16 row's (the target on a Hopper GPU is 1.3x or more). The low-memory row trains
+bfloat16 params without a master copy, with stochastic rounding and bfloat16 Adam moments
+(docs/guides/low_memory.md); a line after the table gives its argument bytes (params,
+optimizer state, batch) and tokens/s against the mixed_bfloat16 row's.
 
 Needs only jax, flax, optax, numpy and jaxmp (jmp is used when installed). It limits itself to
 ``--budget-s`` seconds (default 420), rows that do not fit are reported as skipped.
@@ -28,6 +31,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -55,6 +59,7 @@ ROWS = [
     ("mixed_bfloat16 + FP8 current, jaxmp", "fp8", "current", "gpu"),
     ("mixed_bfloat16 + FP8 delayed, jaxmp", "fp8", "delayed", "gpu"),
     ("mixed_bfloat16 + FP8 block, jaxmp", "fp8", "block", "gpu"),
+    ("low memory: bfloat16 params + moments, stochastic rounding", "lowmem", "bf16", "gpu"),
     ("float32, jaxmp", "jaxmp", "float32", "gpu"),
     ("mixed_float16, hand-written", "manual", "mixed_float16", "gpu"),
     ("deep: float32, optax.adam", "optax", "float32", "gpu_deep"),
@@ -122,9 +127,44 @@ def make_fp8_step(recipe_name: str, config: Any, learning_rate: float = 1e-3) ->
     return init, step
 
 
+def make_lowmem_step(config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any]:
+    """``(init, step)`` as `_model.make_step`'s, with bfloat16 params and no master copy: Adam
+    with stochastic rounding and bfloat16 moments (6 bytes per parameter, the low-memory guide's
+    setting)."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    model = _model.CharTransformer(config, dtype=bf16, param_dtype=bf16)
+    tx = jaxmp.mixed_precision(
+        optax.adam(learning_rate),
+        "p=bf16,c=bf16",
+        jaxmp.NoOpLossScale(),
+        master_weights=False,
+        rounding="stochastic",
+        moments="bfloat16",
+    )
+
+    loss_fn = functools.partial(_model._loss_fn, model, compute_dtype=bf16)
+
+    def init(seed):
+        # The float32 init of the other rows, then rounded: the same starting point.
+        tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+        full = _model.CharTransformer(config, dtype=bf16, param_dtype=jnp.float32)
+        params = full.init(jax.random.key(seed), tokens)["params"]
+        return jaxmp.cast_tree(params, bf16), tx.init(params)
+
+    def step(carry, tokens):
+        params, opt_state = carry
+        loss, grads = jaxmp.value_and_grad(loss_fn)(jaxmp.get_loss_scale(opt_state), params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return jax.jit(init, static_argnums=0), step
+
+
 def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, Any]:
     if approach == "fp8":
         init, step = make_fp8_step(precision, config)
+    elif approach == "lowmem":
+        init, step = make_lowmem_step(config)
     else:
         init, step = _model.make_step(approach, precision, config)
     carry = init(0)
@@ -132,7 +172,9 @@ def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, A
     compiled = jax.jit(step, donate_argnums=0).lower(carry, tokens).compile()
     compile_s = time.perf_counter() - t0
     flops = _hlo.flops(compiled)
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    memory = compiled.memory_analysis()
+    temp = memory.temp_size_in_bytes
+    arguments = memory.argument_size_in_bytes
     for _ in range(2):  # warm-up
         carry, loss = compiled(carry, tokens)
     jax.block_until_ready(carry)
@@ -147,6 +189,7 @@ def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, A
         steps=len(times),
         flops=flops,
         temp=temp,
+        arguments=arguments,
         compile_s=compile_s,
         loss=float(loss),
     )
@@ -290,6 +333,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{label}: no {BF16_ROW} row to compare with")
             continue
         print(f"{label}: {bf16['step_s'] / r['step_s']:.2f}x the tokens/s of {BF16_ROW}")
+    for label, approach, _, _ in rows_to_run:
+        r = results[label]
+        if approach != "lowmem" or r is None or "error" in r or bf16 is None or "error" in bf16:
+            continue
+        print(
+            f"{label}: params + optimizer state + batch {r['arguments'] / 1e9:.3f} GB, "
+            f"{r['arguments'] / bf16['arguments']:.2f}x {BF16_ROW}'s "
+            f"({bf16['arguments'] / 1e9:.3f} GB); {bf16['step_s'] / r['step_s']:.2f}x its tokens/s"
+        )
 
     if not args.no_update_table:
         remaining = deadline - time.perf_counter()

@@ -6,6 +6,9 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +42,13 @@ def test_gpu_benchmark_tiny_runs_on_cpu():
         assert re.search(
             rf"^{re.escape(label)}: \d+\.\d\dx the tokens/s of mixed_bfloat16", out, re.M
         )
+    low = re.search(
+        r"^low memory: [^:]*: params \+ optimizer state \+ batch [\d.]+ GB, ([\d.]+)x "
+        r"mixed_bfloat16, jaxmp's",
+        out,
+        re.M,
+    )
+    assert low and float(low[1]) < 0.7, out  # 6 bytes per parameter against 2 + 12
     ratio = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.split("|")]
@@ -120,3 +130,32 @@ def test_compile_cost_breakdown_rows(benchmarks_on_path):
     # the two moments and the update).
     assert float(rows["optax.adam"][selects]) < 1
     assert float(rows["jaxmp.loss_scaling(adam)"][selects]) >= 4
+
+
+def test_gpu_benchmark_low_memory_step_tracks_mixed_bfloat16(benchmarks_on_path):
+    import _model
+    import gpu_benchmark
+
+    config = _model.CONFIGS["tiny"]
+    tokens = _model.batch(config)
+    runs = {
+        "low": gpu_benchmark.make_lowmem_step(config),
+        "bf16": _model.make_step("jaxmp", "mixed_bfloat16", config),
+    }
+    losses, carries = {}, {}
+    for name, (init, step) in runs.items():
+        carry, step = init(0), jax.jit(step)
+        losses[name] = []
+        for _ in range(6):
+            carry, loss = step(carry, tokens)
+            losses[name].append(float(loss))
+        carries[name] = carry
+    # The same start (the float32 init, rounded) and the same data: the same losses within
+    # bfloat16's rounding of the params, and learning.
+    np.testing.assert_allclose(losses["low"], losses["bf16"], rtol=0.01)
+    assert losses["low"][-1] < losses["low"][0] - 0.3
+    params, state = carries["low"]
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    n = sum(x.size for x in jax.tree.leaves(params))
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert state_bytes <= 4.1 * n  # two bfloat16 moments (and scalars), no master copy
