@@ -103,9 +103,14 @@ def lower_and_compile(fn: Callable, *args: Any) -> dict[str, Any]:
     return dict(lower=t1 - t0, compile=t2 - t1, total=t2 - t0, cpu=c2 - c0, compiled=compiled)
 
 
+def _instruction_lines(compiled: Any) -> list[str]:
+    """The instruction lines of the optimised HLO module, fused computations included."""
+    return [line for line in compiled.as_text().splitlines() if " = " in line and "%" in line]
+
+
 def hlo_instructions(compiled: Any) -> int:
     """Instructions of the optimised HLO module, fused computations included."""
-    return sum(1 for line in compiled.as_text().splitlines() if " = " in line and "%" in line)
+    return len(_instruction_lines(compiled))
 
 
 def interleaved(
@@ -199,6 +204,7 @@ def update_compile_times(
     return out
 
 
+_OPCODE = re.compile(r"= \S+ ([a-z][\w\-]*)\(")
 BREAKDOWN_OPCODES = ["parameter", "broadcast", "constant", "multiply", "select", "convert"]
 
 
@@ -207,18 +213,10 @@ def breakdown_rows(n: int = 64) -> list[list[str]]:
     `loss_scaling(adam)` and `mixed_precision` with float16 params."""
     rows = []
     for name, dtype, build in UPDATE_APPROACHES[:3]:
-        init, step = build(optax.adam(1e-3))
-        params = leaf_tree(n, dtype)
-        opt_state = jax.eval_shape(init, jax.tree.map(lambda p: p.astype(F32), params))
-        text = jax.jit(step).lower(params, opt_state, params).compile().as_text()
-        ops = collections.Counter(
-            m.group(1)
-            for line in text.splitlines()
-            if " = " in line and "%" in line
-            for m in [re.search(r"= \S+ ([a-z][\w\-]*)\(", line)]
-            if m
-        )
-        total = sum(ops.values())
+        compiled, _ = update_cost.compile_update(*build(optax.adam(1e-3)), leaf_tree(n, dtype))
+        lines = _instruction_lines(compiled)
+        ops = collections.Counter(m[1] for m in map(_OPCODE.search, lines) if m)
+        total = len(lines)
         named = [ops[op] for op in BREAKDOWN_OPCODES]
         rows.append(
             [name, f"{total / n:.1f}", f"{ops['fusion'] / n:.2f}"]

@@ -327,21 +327,19 @@ def main(argv: list[str] | None = None) -> None:
     bf16 = results.get(BF16_ROW)
     for label, approach, _, _ in rows_to_run:
         r = results[label]
-        if approach != "fp8" or r is None or "error" in r:
+        if approach not in ("fp8", "lowmem") or r is None or "error" in r:
             continue
         if bf16 is None or "error" in bf16:
             print(f"{label}: no {BF16_ROW} row to compare with")
-            continue
-        print(f"{label}: {bf16['step_s'] / r['step_s']:.2f}x the tokens/s of {BF16_ROW}")
-    for label, approach, _, _ in rows_to_run:
-        r = results[label]
-        if approach != "lowmem" or r is None or "error" in r or bf16 is None or "error" in bf16:
-            continue
-        print(
-            f"{label}: params + optimizer state + batch {r['arguments'] / 1e9:.3f} GB, "
-            f"{r['arguments'] / bf16['arguments']:.2f}x {BF16_ROW}'s "
-            f"({bf16['arguments'] / 1e9:.3f} GB); {bf16['step_s'] / r['step_s']:.2f}x its tokens/s"
-        )
+        elif approach == "fp8":
+            print(f"{label}: {bf16['step_s'] / r['step_s']:.2f}x the tokens/s of {BF16_ROW}")
+        else:
+            print(
+                f"{label}: params + optimizer state + batch {r['arguments'] / 1e9:.3f} GB, "
+                f"{r['arguments'] / bf16['arguments']:.2f}x {BF16_ROW}'s "
+                f"({bf16['arguments'] / 1e9:.3f} GB); {bf16['step_s'] / r['step_s']:.2f}x its "
+                "tokens/s"
+            )
 
     if not args.no_update_table:
         remaining = deadline - time.perf_counter()
