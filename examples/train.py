@@ -605,9 +605,7 @@ def restore_checkpoint(workdir: pathlib.Path, steps: Sequence[int], state: Any) 
             restored = manager.restore(step, args=ocp.args.StandardRestore(state))
     except Exception as e:  # orbax and tensorstore raise plain Exceptions for damaged files
         # Reads still in flight finish after this error is reported: their reports stay silenced.
-        warnings.filterwarnings(
-            "ignore", r"coroutine '.*' was never awaited", RuntimeWarning, append=False
-        )
+        warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
         path = show_path(workdir / "checkpoints" / str(step))
         earlier = (
             f"delete it to resume from step {steps[-2]}, or"
