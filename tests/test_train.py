@@ -6,6 +6,7 @@ compiled programs through a persistent compilation cache, so each later run comp
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -399,7 +401,18 @@ def test_resume_after_a_crash_recomputes_the_rows_after_the_checkpoint(finished,
     shutil.rmtree(workdir / "checkpoints" / "24")
     with open(workdir / "metrics.jsonl", "a") as f:
         f.write('{"step": 25, "train_lo')
+    hook = sys.unraisablehook
     assert_same_run(run(finished.config, workdir, resume=True), finished)
+    assert sys.unraisablehook is hook  # a good restore puts the previous hook back
+
+
+def test_failed_restore_hook_drops_only_closed_loop_reports():
+    seen = []
+    hook = functools.partial(train._ignore_abandoned_reads, seen.append)
+    errors = [RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("bad")]
+    for error in errors:
+        hook(types.SimpleNamespace(exc_value=error))
+    assert [u.exc_value for u in seen] == errors[1:]
 
 
 def test_resume_with_missing_rows_is_an_error(finished, tmp_path):
