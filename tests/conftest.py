@@ -1,5 +1,11 @@
-"""Shared test configuration: dtype lists, the one tolerance table, jaxpr walkers."""
+"""Shared test configuration: dtype lists, the one tolerance table, jaxpr walkers, and one
+persistent compilation cache for the whole run."""
 
+import os
+import shutil
+import tempfile
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -49,6 +55,37 @@ def primitive_dtypes(jaxpr, names):
         for eqn in all_eqns(jaxpr)
         if eqn.primitive.name in names
     ]
+
+
+_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+# Every program is cached, however small or quick to compile.
+_CACHE_MINIMA = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": float,
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": int,
+}
+
+
+def pytest_configure(config):
+    """One persistent compilation cache for the run: its test processes (pytest-xdist workers)
+    and the scripts they start inherit it through the environment, so a program compiled once
+    (the same model step in a test, a docs page and a script) is loaded, not compiled again.
+    The cache holds executables exactly as compiled; a directory set in the environment is used
+    as it is and kept."""
+    if _CACHE_DIR not in os.environ:  # the first process of the run: workers inherit it
+        os.environ[_CACHE_DIR] = config._jaxmp_cache_dir = tempfile.mkdtemp(prefix="jaxmp-jit-")
+        for name in _CACHE_MINIMA:
+            os.environ.setdefault(name, "0")
+    # jax read the environment when it was imported, before this hook.
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
+    for name, kind in _CACHE_MINIMA.items():
+        if name in os.environ:
+            jax.config.update(name.lower(), kind(os.environ[name]))
+
+
+def pytest_unconfigure(config):
+    cache_dir = getattr(config, "_jaxmp_cache_dir", None)
+    if cache_dir is not None:
+        shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 _STACK = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "equinox", "numpy")

@@ -68,19 +68,6 @@ SHIPPED = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Runs of equal configs share compiled steps through a persistent cache (faster tests)."""
-    options = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {name: getattr(jax.config, name) for name in options}
-    cache = tmp_path_factory.mktemp("jax_cache")
-    jax.config.update(options[0], str(cache))
-    jax.config.update(options[1], 0.0)
-    yield cache
-    for name, value in saved.items():
-        jax.config.update(name, value)
-
-
 def tiny(name, *overrides):
     return config_lib.load(name, TINY + overrides)
 
@@ -812,7 +799,7 @@ def test_compare_writes_a_summary_and_resumes_without_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigint_to_the_command_saves_a_consistent_run(tmp_path, compilation_cache):
+def test_sigint_to_the_command_saves_a_consistent_run(tmp_path):
     # A real Ctrl-C to `python examples/train.py` (a long run, so it arrives mid-training).
     workdir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
