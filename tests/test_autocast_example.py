@@ -105,8 +105,9 @@ def test_config_errors(kwargs, match):
 
 
 def test_main_runs(capsys):
-    example.main(["--steps", "2", "--eval-every", "1", "--batch-size", "8"])
+    # The default batch size: the same programs as the mixed_float16 run of `results`.
+    example.main(["--steps", "2", "--eval-every", "1"])
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "policy mixed_float16, 2 steps of 8 images"
+    assert out[0] == "policy mixed_float16, 2 steps of 64 images"
     assert [line.split()[1] for line in out[1:3]] == ["1", "2"]
     assert out[-1].startswith("final test accuracy")

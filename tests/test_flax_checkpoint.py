@@ -56,7 +56,9 @@ def test_linen_train_state_resumes_bit_identically(policy, tmp_path):
     tx = jaxmp.mixed_precision(optax.adam(3e-3), policy, _loss_scale())
 
     def create():
-        return test_linen.create_state(policy, tx=tx)
+        # Committed to the device, as a restored state is: the straight and the resumed run
+        # then share one compiled step.
+        return jax.device_put(test_linen.create_state(policy, tx=tx), jax.devices()[0])
 
     straight = _linen_steps(create(), x, y, 0, STEPS)
 
