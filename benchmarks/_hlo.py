@@ -26,6 +26,14 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
+def real_compiles() -> None:
+    """Turns JAX's persistent compilation cache off for this process, so that every compile
+    timed is a compile: with ``JAX_COMPILATION_CACHE_DIR`` set, a repeated build would be
+    loaded from disk. JAX reads the setting at the first compile; the scripts call this at
+    the start."""
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def cost(compiled: Any) -> dict[str, float]:
     """`compiled.cost_analysis()` as one flat dict (older jax returns a list of one dict)."""
     analysis = compiled.cost_analysis()

@@ -177,4 +177,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    _hlo.real_compiles()
     main()

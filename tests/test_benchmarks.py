@@ -93,6 +93,32 @@ def test_every_approach_skips_an_overflowing_float16_step(benchmarks_on_path, ap
     assert all(jax.tree.leaves(same)), approach
 
 
+def test_scripts_time_real_compiles_under_a_persistent_cache(tmp_path):
+    """With JAX_COMPILATION_CACHE_DIR set, the repeated builds that compile times are the median
+    of would be loads from that cache: the scripts turn it off (nothing is written there)."""
+    cache = tmp_path / "jax_cache"
+    cache.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    args = ["--only", "update", "--leaves", "3", "--repeats", "2", "--approaches", "optax.adam"]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "compile_cost.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 3 " in proc.stdout
+    assert list(cache.iterdir()) == []
+
+
 def test_compile_cost_update_and_step_time_sections(benchmarks_on_path, capsys):
     import compile_cost
 
