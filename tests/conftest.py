@@ -82,6 +82,17 @@ def pytest_configure(config):
             jax.config.update(name.lower(), kind(os.environ[name]))
 
 
+def environ_without_compilation_cache() -> dict[str, str]:
+    """`os.environ` without the run's compilation cache, for a command whose stderr a test
+    checks line by line: jaxlib 0.8 logs a line about the machine's features on stderr for
+    every program it loads from the cache."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k != _CACHE_DIR and not k.startswith("JAX_PERSISTENT_CACHE_")
+    }
+
+
 def pytest_unconfigure(config):
     cache_dir = getattr(config, "_jaxmp_cache_dir", None)
     if cache_dir is not None:

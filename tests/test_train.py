@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import pathlib
 import shutil
 import signal
@@ -32,7 +31,7 @@ from lm import config as config_lib  # noqa: E402
 from lm import data as data_lib  # noqa: E402
 
 import jaxmp  # noqa: E402
-from tests.conftest import all_eqns  # noqa: E402
+from tests.conftest import all_eqns, environ_without_compilation_cache  # noqa: E402
 
 TINY = (
     "num_layers=1",
@@ -436,6 +435,7 @@ def cli(finished, tmp_path_factory):
     subprocess.run(
         [sys.executable, str(ROOT / "tests" / "train_cli.py"), "cases.json", str(out)],
         cwd=base,
+        env=environ_without_compilation_cache(),
         check=True,
         timeout=300,
     )
@@ -552,6 +552,7 @@ def test_script_error_is_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "train.py"), "--config", "bad.yaml"],
         cwd=tmp_path,
+        env=environ_without_compilation_cache(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -802,7 +803,7 @@ def test_compare_writes_a_summary_and_resumes_without_training(tmp_path):
 def test_sigint_to_the_command_saves_a_consistent_run(tmp_path):
     # A real Ctrl-C to `python examples/train.py` (a long run, so it arrives mid-training).
     workdir = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(environ_without_compilation_cache(), PYTHONUNBUFFERED="1")
     args = [sys.executable, str(EXAMPLES / "train.py"), "--workdir", str(workdir), "--no-progress"]
     proc = subprocess.Popen(
         args + _set(*RUN, "steps=100000", "eval_interval=100000"),
