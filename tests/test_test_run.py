@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from .conftest import environ_without_compilation_cache
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _REPORT = "JAXMP_TEST_REPORT_CACHE_DIR"
 
@@ -24,11 +26,7 @@ def test_run_shares_one_compilation_cache():
 
 @pytest.mark.parametrize("own_dir", [False, True], ids=["temporary", "users"])
 def test_run_removes_its_cache_and_keeps_a_users(tmp_path, own_dir):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k != "JAX_COMPILATION_CACHE_DIR" and not k.startswith("JAX_PERSISTENT_CACHE_")
-    }
+    env = environ_without_compilation_cache()
     report = tmp_path / "cache_dir.txt"
     env[_REPORT] = str(report)
     mine = tmp_path / "mine"
