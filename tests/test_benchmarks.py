@@ -20,19 +20,24 @@ def benchmarks_on_path(monkeypatch):
     monkeypatch.syspath_prepend(BENCHMARKS)
 
 
-@pytest.mark.slow  # two minutes on 2 CPU cores: every row of the GPU script, compiled
-def test_gpu_benchmark_tiny_runs_on_cpu():
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+def run_script(script, *args, timeout, **env):
+    """Runs ``benchmarks/<script> ARGS`` on the CPU (`env` added to the environment); its
+    stdout, after checking that it succeeded."""
     proc = subprocess.run(
-        [sys.executable, os.path.join(BENCHMARKS, "gpu_benchmark.py"), "--tiny"],
+        [sys.executable, os.path.join(BENCHMARKS, script), *args],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **env},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.slow  # two minutes on 2 CPU cores: every row of the GPU script, compiled
+def test_gpu_benchmark_tiny_runs_on_cpu():
+    out = run_script("gpu_benchmark.py", "--tiny", timeout=600)
     fp8 = [f"mixed_bfloat16 + FP8 {r}, jaxmp" for r in ("current", "delayed", "block")]
     for label in ("float32, optax.adam", "mixed_float16, jaxmp", "mixed_bfloat16, jaxmp", *fp8):
         row = next(line for line in out.splitlines() if line.startswith(f"| {label} "))
@@ -98,24 +103,15 @@ def test_scripts_time_real_compiles_under_a_persistent_cache(tmp_path):
     of would be loads from that cache: the scripts turn it off (nothing is written there)."""
     cache = tmp_path / "jax_cache"
     cache.mkdir()
-    env = {
-        **os.environ,
-        "PYTHONPATH": ROOT,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_COMPILATION_CACHE_DIR": str(cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
     args = ["--only", "update", "--leaves", "3", "--repeats", "2", "--approaches", "optax.adam"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(BENCHMARKS, "compile_cost.py"), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    out = run_script(
+        "compile_cost.py",
+        *args,
         timeout=300,
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| 3 " in proc.stdout
+    assert "| 3 " in out
     assert list(cache.iterdir()) == []
 
 
