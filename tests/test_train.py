@@ -365,6 +365,9 @@ class Interrupt:
 
 def test_interrupts_then_resume_give_the_uninterrupted_run(finished, tmp_path, monkeypatch):
     workdir = tmp_path / "run"
+    # The handler the run must put back: Python's own, or SIG_IGN in a process started in the
+    # background by a shell without job control.
+    handler = signal.getsignal(signal.SIGINT)
     # (how, at, the step of the checkpoint left behind): a SIGINT lets the step finish; an
     # interrupt before the step's rows are complete leaves the checkpoint of the step before.
     interrupts = [("before_row", 5, 4), ("sigint", 10, 10), ("between_files", 15, 14)]
@@ -377,7 +380,7 @@ def test_interrupts_then_resume_give_the_uninterrupted_run(finished, tmp_path, m
         jsonl, csv_steps = metrics_steps(workdir)
         assert csv_steps == list(range(1, saved + 1)), how
         assert jsonl[:saved] == csv_steps and len(jsonl) <= saved + 1, how
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler
     assert_same_run(run(finished.config, workdir, resume=True), finished)
 
 
