@@ -192,14 +192,30 @@ def make_step(
 ) -> tuple[Any, Any]:
     """Returns ``(init, step)``.
 
-    ``init(seed) -> carry`` and ``step(carry, tokens) -> (carry, loss)``; `init` is jitted (one
-    compile, not one per operation), `step` is not. `precision` is a `jaxmp.get_policy` string.
+    ``init(seed) -> carry`` and ``step(carry, tokens) -> (carry, loss)``; `init` runs two
+    jitted programs (`initial_params`, then the approach's state from them), `step` is not
+    jitted. `precision` is a `jaxmp.get_policy` string.
     Float16 compute uses a dynamic loss scale starting at 2**15 for every approach but "optax"
     (which never scales); bfloat16 and float32 use a loss scale of 1 where the approach needs
     one.
     """
-    init, step = _init_and_step(approach, precision, config, learning_rate)
-    return jax.jit(init, static_argnums=0), step
+    init_carry, step = _init_and_step(approach, precision, config, learning_rate)
+    init_carry = jax.jit(init_carry)
+    param_dtype, _ = _dtypes(precision)
+
+    def init(seed):
+        return init_carry(initial_params(config, param_dtype, seed))
+
+    return init, step
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def initial_params(config: Config, param_dtype: Any, seed: int) -> Any:
+    """The model's initial params, in `param_dtype`: one compile per config and dtype, shared
+    by every approach and precision (the values do not depend on the compute dtype)."""
+    model = CharTransformer(config, param_dtype=param_dtype)
+    tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+    return jaxmp.cast_tree(model.init(jax.random.key(seed), tokens)["params"], param_dtype)
 
 
 def _init_and_step(
@@ -212,17 +228,11 @@ def _init_and_step(
     adam = optax.adam(learning_rate)
     loss_fn = functools.partial(_loss_fn, model, compute_dtype=compute_dtype)
 
-    def init_params(seed):
-        tokens = jnp.zeros((1, config.seq_len), jnp.int32)
-        params = model.init(jax.random.key(seed), tokens)["params"]
-        return jaxmp.cast_tree(params, param_dtype)
-
     scale0 = _initial_scale(precision)
 
     if approach == "optax":
 
-        def init(seed):
-            params = init_params(seed)
+        def init(params):
             return params, adam.init(params)
 
         def step(carry, tokens):
@@ -237,8 +247,7 @@ def _init_and_step(
         loss_scale = jaxmp.DynamicLossScale(scale0) if scale0 != 1.0 else jaxmp.NoOpLossScale()
         tx = jaxmp.mixed_precision(adam, precision, loss_scale)
 
-        def init(seed):
-            params = init_params(seed)
+        def init(params):
             return params, tx.init(params)
 
         def step(carry, tokens):
@@ -253,8 +262,7 @@ def _init_and_step(
     if approach == "manual":
         # What the jaxmp step does, written out: scale the loss, unscale the float32
         # gradients, check them, update, select, adjust the scale.
-        def init(seed):
-            params = init_params(seed)
+        def init(params):
             return params, adam.init(params), jnp.asarray(scale0, F32), jnp.zeros((), jnp.int32)
 
         def step(carry, tokens):
@@ -277,8 +285,7 @@ def _init_and_step(
     if approach == "jmp":
         import jmp  # noqa: PLC0415 (optional dependency)
 
-        def init(seed):
-            params = init_params(seed)
+        def init(params):
             # jmp 0.0.4's DynamicLossScale flattens to (loss_scale, counter) and rebuilds
             # min_loss_scale from its default, so it is carried as those two arrays.
             return params, adam.init(params), jnp.asarray(scale0, F32), jnp.zeros((), jnp.int32)
@@ -302,8 +309,7 @@ def _init_and_step(
     if approach == "apply_if_finite":
         tx = optax.apply_if_finite(adam, max_consecutive_errors=10**9)
 
-        def init(seed):
-            params = init_params(seed)
+        def init(params):
             return params, tx.init(params), jnp.asarray(scale0, F32)
 
         def step(carry, tokens):
@@ -320,8 +326,7 @@ def _init_and_step(
     # approach == "flax"
     from flax.training import dynamic_scale as dynamic_scale_lib  # noqa: PLC0415
 
-    def init(seed):
-        params = init_params(seed)
+    def init(params):
         ds = dynamic_scale_lib.DynamicScale(scale=jnp.asarray(scale0, F32))
         return params, adam.init(params), ds
 

@@ -112,10 +112,12 @@ def measure(
     variants: tuple[str, ...] = ("float32", "explicit", "autocast"),
 ) -> dict[str, dict[str, float]]:
     """Compiles the three variants of the train step and returns their costs."""
-    tokens = jax.random.randint(jax.random.key(0), (batch, length + 1), 0, vocab)
+    # Without timing only the compiled steps' costs are read: shapes are enough, no values.
+    build = (lambda f, *args: jax.jit(f)(*args)) if time_it else jax.eval_shape
+    tokens = build(lambda: jax.random.randint(jax.random.key(0), (batch, length + 1), 0, vocab))
     f32_model = TransformerLM(vocab, features, layers, heads)
     f16_model = TransformerLM(vocab, features, layers, heads, dtype=jnp.float16)
-    params = f32_model.init(jax.random.key(1), tokens[:, :-1])["params"]
+    params = build(lambda t: f32_model.init(jax.random.key(1), t[:, :-1]), tokens)["params"]
     policy = jaxmp.get_policy("mixed_float16")
     steps = {
         "float32": _step_fn(f32_model, lambda f: f),

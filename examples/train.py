@@ -189,18 +189,32 @@ def create_train_state(
     return programs(config, vocab_size).init(rng)
 
 
-def make_init(config: config_lib.Config, vocab_size: int, tx):
-    """The (unjitted) ``rng -> TrainState`` of `create_train_state`."""
-    init_model = make_model(config, vocab_size, param_dtype=jnp.float32)
+@functools.partial(jax.jit, static_argnums=0)
+def init_params(model: model_lib.TransformerLM, rng: jax.Array) -> Any:
+    """``model``'s initial params. One compile per model: `make_init` passes the float32 model,
+    which every policy of the same shape shares."""
+    return model.init(rng, jnp.zeros((1, model.max_len), jnp.int32))["params"]
 
-    def init(rng: jax.Array) -> TrainState:
-        tokens = jnp.zeros((1, config.seq_len), jnp.int32)
-        params_f32 = init_model.init(rng, tokens)["params"]
+
+def make_init(config: config_lib.Config, vocab_size: int, tx):
+    """The ``rng -> TrainState`` of `create_train_state`: the float32 params (`init_params`),
+    then the state from them (one jitted program)."""
+    f32 = jnp.float32
+    init_model = make_model(config, vocab_size).clone(dtype=f32, param_dtype=f32, output_dtype=f32)
+    fp8 = make_fp8_apply(config, make_model(config, vocab_size))
+
+    @jax.jit
+    def state_from(params_f32: Any) -> TrainState:
         opt_state = tx.init(params_f32)
         params = config.policy.cast_to_param(params_f32)
-        fp8 = make_fp8_apply(config, make_model(config, vocab_size))
-        fp8_state = fp8.fp8_init({"params": params}, tokens) if config.fp8 == "delayed" else None
+        fp8_state = None
+        if config.fp8 == "delayed":
+            tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+            fp8_state = fp8.fp8_init({"params": params}, tokens)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, fp8_state)
+
+    def init(rng: jax.Array) -> TrainState:
+        return state_from(init_params(init_model, rng))
 
     return init
 
@@ -208,7 +222,7 @@ def make_init(config: config_lib.Config, vocab_size: int, tx):
 class Programs(NamedTuple):
     model: model_lib.TransformerLM
     tx: optax.GradientTransformationExtraArgs
-    init: Any  # jitted `make_init`
+    init: Any  # `make_init`'s
     train_step: Any  # `make_train_step`'s, unjitted
     eval_step: Any  # `make_eval_step`'s, unjitted
 
@@ -225,7 +239,7 @@ def programs(config: config_lib.Config, vocab_size: int) -> Programs:
     return Programs(
         model=model,
         tx=tx,
-        init=jax.jit(make_init(config, vocab_size, tx)),
+        init=make_init(config, vocab_size, tx),
         train_step=make_train_step(config, model, tx),
         eval_step=make_eval_step(model, make_fp8_apply(config, model)),
     )
