@@ -72,6 +72,7 @@ COMPILE_ROWS = [
     ("update: mixed_precision p=f16", "jaxmp.mixed_precision(adam, 'p=f16,c=f16')"),
 ]
 BF16_ROW = "mixed_bfloat16, jaxmp"
+MIN_TIMED_STEPS = 3
 # The FP8 rows' recipes (the "precision" of an "fp8" row) and the matmuls kept in bfloat16:
 # the head (the model's only top-level Dense) and the attention einsums, named by equation.
 FP8_RECIPES = {
@@ -106,13 +107,16 @@ def make_fp8_step(recipe_name: str, config: Any, learning_rate: float = 1e-3) ->
         logits = f({"params": jaxmp.cast_tree(params, bf16)}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    def init(seed):
-        tokens = jnp.zeros((1, config.seq_len), jnp.int32)
-        params = model.init(jax.random.key(seed), tokens)["params"]
+    @jax.jit
+    def init_carry(params):
         fp8_state = None
         if stateful:
+            tokens = jnp.zeros((1, config.seq_len), jnp.int32)
             fp8_state = apply.fp8_init({"params": jaxmp.cast_tree(params, bf16)}, tokens)
         return params, tx.init(params), fp8_state
+
+    def init(seed):
+        return init_carry(_model.initial_params(config, jnp.float32, seed))
 
     grad_fn = jaxmp.value_and_grad(loss_fn, argnums=(0, 2) if stateful else 0)
 
@@ -144,12 +148,13 @@ def make_lowmem_step(config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any
 
     loss_fn = functools.partial(_model._loss_fn, model, compute_dtype=bf16)
 
+    @jax.jit
+    def init_carry(params):
+        return jaxmp.cast_tree(params, bf16), tx.init(params)
+
     def init(seed):
         # The float32 init of the other rows, then rounded: the same starting point.
-        tokens = jnp.zeros((1, config.seq_len), jnp.int32)
-        full = _model.CharTransformer(config, dtype=bf16, param_dtype=jnp.float32)
-        params = full.init(jax.random.key(seed), tokens)["params"]
-        return jaxmp.cast_tree(params, bf16), tx.init(params)
+        return init_carry(_model.initial_params(config, jnp.float32, seed))
 
     def step(carry, tokens):
         params, opt_state = carry
@@ -157,7 +162,7 @@ def make_lowmem_step(config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    return jax.jit(init, static_argnums=0), step
+    return init, step
 
 
 def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, Any]:
@@ -179,7 +184,9 @@ def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, A
         carry, loss = compiled(carry, tokens)
     jax.block_until_ready(carry)
     times = []
-    while len(times) < steps and time.perf_counter() < deadline:
+    # At least `MIN_TIMED_STEPS` however long the compile took, so that a row that compiled
+    # always has a time.
+    while len(times) < steps and (len(times) < MIN_TIMED_STEPS or time.perf_counter() < deadline):
         t = time.perf_counter()
         carry, loss = compiled(carry, tokens)
         jax.block_until_ready((carry, loss))
@@ -221,6 +228,14 @@ def main(argv: list[str] | None = None) -> None:
         "on recent NVIDIA GPUs uses TF32 tensor cores for float32 matmuls)",
     )
     parser.add_argument("--no-update-table", action="store_true")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="TEXT",
+        help="run only the train-step and compile rows whose label contains TEXT (repeatable; "
+        "a row's ratios need its group's first row, the FP8 and low-memory lines the "
+        f"{BF16_ROW!r} row)",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     deadline = start + args.budget_s
@@ -240,8 +255,17 @@ def main(argv: list[str] | None = None) -> None:
 
     rows_to_run = [r for r in ROWS if not args.tiny or r[2] != "float32" or r[1] == "optax"]
     rows_to_run = [r for r in rows_to_run if not args.tiny or r[1] != "manual"]
+    compile_rows = COMPILE_ROWS
+    if args.only:
+        rows_to_run = [r for r in rows_to_run if any(text in r[0] for text in args.only)]
+        compile_rows = [r for r in COMPILE_ROWS if any(text in r[0] for text in args.only)]
+        if not rows_to_run and not compile_rows:
+            parser.error(
+                f"--only {args.only}: no row's label contains it; the rows: "
+                + "; ".join(r[0] for r in [*ROWS, *COMPILE_ROWS])
+            )
     results: dict[str, Any] = {}
-    extra = len(COMPILE_ROWS) + (0 if args.no_update_table else 1)
+    extra = len(compile_rows) + (0 if args.no_update_table else 1)
     for i, (label, approach, precision, config_name) in enumerate(rows_to_run):
         # Leave each remaining row an equal share of the budget (compile included).
         left = len(rows_to_run) - i + extra
@@ -256,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         except Exception as e:  # noqa: BLE001 (report, e.g., out of memory, and go on)
             results[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
-    for i, (label, name) in enumerate(COMPILE_ROWS):
-        left = len(COMPILE_ROWS) - i + (0 if args.no_update_table else 1)
+    for i, (label, name) in enumerate(compile_rows):
+        left = len(compile_rows) - i + (0 if args.no_update_table else 1)
         if (deadline - time.perf_counter()) / left < (1 if args.tiny else 30):
             results[label] = None
             continue
@@ -297,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
             ]
         )
     ref = results.get(COMPILE_ROWS[0][0])
-    for label, _ in COMPILE_ROWS:
+    for label, _ in compile_rows:
         r = results[label]
         if r is None or "error" in r:
             rows.append([label, "skipped (time budget)" if r is None else r["error"]] + [""] * 7)
