@@ -200,13 +200,15 @@ def make_step(
     one.
     """
     init_carry, step = _init_and_step(approach, precision, config, learning_rate)
-    init_carry = jax.jit(init_carry)
     param_dtype, _ = _dtypes(precision)
+    return init_from_seed(init_carry, config, param_dtype), step
 
-    def init(seed):
-        return init_carry(initial_params(config, param_dtype, seed))
 
-    return init, step
+def init_from_seed(init_carry: Any, config: Config, param_dtype: Any) -> Any:
+    """``seed -> carry``: `initial_params` (shared by every approach), then the jitted
+    ``init_carry(params) -> carry``."""
+    init_carry = jax.jit(init_carry)
+    return lambda seed: init_carry(initial_params(config, param_dtype, seed))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -107,16 +107,12 @@ def make_fp8_step(recipe_name: str, config: Any, learning_rate: float = 1e-3) ->
         logits = f({"params": jaxmp.cast_tree(params, bf16)}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    @jax.jit
     def init_carry(params):
         fp8_state = None
         if stateful:
             tokens = jnp.zeros((1, config.seq_len), jnp.int32)
             fp8_state = apply.fp8_init({"params": jaxmp.cast_tree(params, bf16)}, tokens)
         return params, tx.init(params), fp8_state
-
-    def init(seed):
-        return init_carry(_model.initial_params(config, jnp.float32, seed))
 
     grad_fn = jaxmp.value_and_grad(loss_fn, argnums=(0, 2) if stateful else 0)
 
@@ -128,7 +124,7 @@ def make_fp8_step(recipe_name: str, config: Any, learning_rate: float = 1e-3) ->
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, fp8_state), loss
 
-    return init, step
+    return _model.init_from_seed(init_carry, config, jnp.float32), step
 
 
 def make_lowmem_step(config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any]:
@@ -148,13 +144,9 @@ def make_lowmem_step(config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any
 
     loss_fn = functools.partial(_model._loss_fn, model, compute_dtype=bf16)
 
-    @jax.jit
     def init_carry(params):
-        return jaxmp.cast_tree(params, bf16), tx.init(params)
-
-    def init(seed):
         # The float32 init of the other rows, then rounded: the same starting point.
-        return init_carry(_model.initial_params(config, jnp.float32, seed))
+        return jaxmp.cast_tree(params, bf16), tx.init(params)
 
     def step(carry, tokens):
         params, opt_state = carry
@@ -162,7 +154,7 @@ def make_lowmem_step(config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    return init, step
+    return _model.init_from_seed(init_carry, config, jnp.float32), step
 
 
 def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, Any]:
@@ -258,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     compile_rows = COMPILE_ROWS
     if args.only:
         rows_to_run = [r for r in rows_to_run if any(text in r[0] for text in args.only)]
-        compile_rows = [r for r in COMPILE_ROWS if any(text in r[0] for text in args.only)]
+        compile_rows = [r for r in compile_rows if any(text in r[0] for text in args.only)]
         if not rows_to_run and not compile_rows:
             parser.error(
                 f"--only {args.only}: no row's label contains it; the rows: "

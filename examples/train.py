@@ -140,10 +140,8 @@ def get_dataset(val_fraction: float) -> data_lib.Dataset:
     return data_lib.make_dataset(val_fraction)
 
 
-def make_model(
-    config: config_lib.Config, vocab_size: int, *, param_dtype: Any = None
-) -> model_lib.TransformerLM:
-    """The model with the dtypes of `config.policy` (`param_dtype` overrides the policy's)."""
+def make_model(config: config_lib.Config, vocab_size: int) -> model_lib.TransformerLM:
+    """The model with the dtypes of `config.policy`."""
     policy = config.policy
     return model_lib.TransformerLM(
         vocab_size=vocab_size,
@@ -153,7 +151,7 @@ def make_model(
         d_model=config.d_model,
         mlp_ratio=config.mlp_ratio,
         dtype=policy.compute_dtype,
-        param_dtype=policy.param_dtype if param_dtype is None else param_dtype,
+        param_dtype=policy.param_dtype,
         output_dtype=policy.output_dtype,
     )
 
@@ -196,12 +194,11 @@ def init_params(model: model_lib.TransformerLM, rng: jax.Array) -> Any:
     return model.init(rng, jnp.zeros((1, model.max_len), jnp.int32))["params"]
 
 
-def make_init(config: config_lib.Config, vocab_size: int, tx):
-    """The ``rng -> TrainState`` of `create_train_state`: the float32 params (`init_params`),
-    then the state from them (one jitted program)."""
-    f32 = jnp.float32
-    init_model = make_model(config, vocab_size).clone(dtype=f32, param_dtype=f32, output_dtype=f32)
-    fp8 = make_fp8_apply(config, make_model(config, vocab_size))
+def make_init(config: config_lib.Config, model: model_lib.TransformerLM, tx):
+    """The ``rng -> TrainState`` of `create_train_state` for `model`: the params of its float32
+    twin (`init_params`), then the state from them (one jitted program)."""
+    init_model = make_model(with_precision(config, "f32"), model.vocab_size)
+    fp8 = make_fp8_apply(config, model)
 
     @jax.jit
     def state_from(params_f32: Any) -> TrainState:
@@ -239,7 +236,7 @@ def programs(config: config_lib.Config, vocab_size: int) -> Programs:
     return Programs(
         model=model,
         tx=tx,
-        init=make_init(config, vocab_size, tx),
+        init=make_init(config, model, tx),
         train_step=make_train_step(config, model, tx),
         eval_step=make_eval_step(model, make_fp8_apply(config, model)),
     )
