@@ -181,3 +181,32 @@ def test_gpu_benchmark_low_memory_step_tracks_mixed_bfloat16(benchmarks_on_path)
     n = sum(x.size for x in jax.tree.leaves(params))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     assert state_bytes <= 4.1 * n  # two bfloat16 moments (and scalars), no master copy
+
+
+def test_gpu_benchmark_row_times_steps_after_a_compile_past_its_deadline(benchmarks_on_path):
+    """A row whose compile outlasts its share of the budget still reports a measured time."""
+    import _model
+    import gpu_benchmark
+
+    config = _model.CONFIGS["tiny"]
+    row = gpu_benchmark.run_row("lowmem", None, config, _model.batch(config), 5, deadline=0.0)
+    assert row["steps"] == gpu_benchmark.MIN_TIMED_STEPS == 3
+    assert np.isfinite(row["step_s"]) and row["step_s"] > 0
+
+
+def test_gpu_benchmark_only_selects_rows_and_names_them_when_none_match(benchmarks_on_path, capsys):
+    import gpu_benchmark
+
+    gpu_benchmark.main(["--tiny", "--no-update-table", "--only", "low memory"])
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert rows == [
+        "precision, approach",
+        "low memory: bfloat16 params + moments, stochastic rounding",
+    ]
+    assert "no mixed_bfloat16, jaxmp row to compare with" in out
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_benchmark.main(["--tiny", "--only", "fp9"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--only ['fp9']: no row's label contains it" in err and "FP8 delayed" in err

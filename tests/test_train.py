@@ -869,6 +869,24 @@ def test_fp8_key_runs_the_linear_layers_in_fp8(fp8):
     assert ("FP8" in config.describe()) == (fp8 != "none")
 
 
+def test_every_precision_starts_from_the_same_float32_init():
+    """`create_train_state`: one float32 init for every config of the model, stored in the
+    param dtype; the FP32 master weights of half-precision params hold it exactly."""
+    names = ("fp32", "mixed_float16", "mixed_fp8_delayed", "float16_master_weights")
+    states = {
+        n: train.create_train_state(tiny(n), jax.random.PRNGKey(0), vocab_size=40) for n in names
+    }
+    reference = states["fp32"].params
+    assert {x.dtype for x in jax.tree.leaves(reference)} == {jnp.dtype(jnp.float32)}
+    assert_identical(states["mixed_float16"].params, reference)
+    assert_identical(states["mixed_fp8_delayed"].params, reference)
+    half = states["float16_master_weights"]
+    assert_identical(half.params, jax.tree.map(lambda x: x.astype(jnp.float16), reference))
+    is_master = lambda x: isinstance(x, jaxmp.MasterWeightsState)  # noqa: E731
+    (master,) = [s for s in jax.tree.leaves(half.opt_state, is_leaf=is_master) if is_master(s)]
+    assert_identical(master.master, reference)
+
+
 def test_fp8_current_scaling_trains_like_bfloat16(tmp_path):
     bf16 = run(tiny("mixed_bfloat16", "steps=8"), tmp_path / "bf16")
     fp8 = run(tiny("mixed_fp8", "steps=8"), tmp_path / "fp8")
