@@ -51,7 +51,7 @@ import update_cost  # noqa: E402
 import jaxmp  # noqa: E402
 
 # (label, approach, precision, config), most important first (the time budget may cut the
-# last); the first row of each config is the reference for its speed-up and ratios.
+# last); the first row run of each config is the reference for its speed-up and ratios.
 ROWS = [
     ("float32, optax.adam", "optax", "float32", "gpu"),
     ("mixed_float16, jaxmp", "jaxmp", "mixed_float16", "gpu"),
@@ -155,6 +155,25 @@ def make_lowmem_step(config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any
         return (optax.apply_updates(params, updates), opt_state), loss
 
     return _model.init_from_seed(init_carry, config, jnp.float32), step
+
+
+def progress(start: float, message: str) -> None:
+    """One line on stderr as each row starts and ends, so that a run stopped from outside (a
+    time limit, a crash) still shows what it measured and where it stopped."""
+    print(f"[{time.perf_counter() - start:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def describe(result: dict[str, Any] | None) -> str:
+    if result is None:
+        return "skipped (time budget)"
+    if "error" in result:
+        return result["error"]
+    if "step_s" not in result:
+        return f"compile {result['compile_s']:.1f} s"
+    return (
+        f"compile {result['compile_s']:.1f} s, {result['step_s'] * 1e3:.1f} ms/step "
+        f"({result['steps']} steps), temp {result['temp'] / 1e9:.2f} GB, loss {result['loss']:.3f}"
+    )
 
 
 def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, Any]:
@@ -266,21 +285,25 @@ def main(argv: list[str] | None = None) -> None:
             results[label] = None
             continue
         row_deadline = time.perf_counter() + share
+        progress(start, f"{label}: compiling and timing")
         try:
             results[label] = run_row(
                 approach, precision, configs[config_name], tokens[config_name], steps, row_deadline
             )
         except Exception as e:  # noqa: BLE001 (report, e.g., out of memory, and go on)
             results[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+        progress(start, f"{label}: {describe(results[label])}")
     for i, (label, name) in enumerate(compile_rows):
         left = len(compile_rows) - i + (0 if args.no_update_table else 1)
         if (deadline - time.perf_counter()) / left < (1 if args.tiny else 30):
             results[label] = None
             continue
+        progress(start, f"{label}: compiling")
         try:
             results[label] = compile_row(name, compile_leaves)
         except Exception as e:  # noqa: BLE001
             results[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+        progress(start, f"{label}: {describe(results[label])}")
 
     refs = {}
     for label, _, _, config_name in rows_to_run:
@@ -291,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         ref = results.get(refs[config_name])
         r = results[label]
         if r is None or "error" in r:
-            rows.append([label, "skipped (time budget)" if r is None else r["error"]] + [""] * 7)
+            rows.append([label, describe(r)] + [""] * 7)
             continue
         ok = ref is not None and "error" not in ref
         tps = config.batch_size * config.seq_len / r["step_s"]
@@ -312,11 +335,13 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['loss']:.3f}",
             ]
         )
-    ref = results.get(COMPILE_ROWS[0][0])
+    if compile_rows:
+        refs["update"] = compile_rows[0][0]
+    ref = results.get(refs.get("update"))
     for label, _ in compile_rows:
         r = results[label]
         if r is None or "error" in r:
-            rows.append([label, "skipped (time budget)" if r is None else r["error"]] + [""] * 7)
+            rows.append([label, describe(r)] + [""] * 7)
             continue
         ok = ref is not None and "error" not in ref
         ratio = r["compile_s"] / ref["compile_s"] if ok else float("nan")
@@ -325,16 +350,16 @@ def main(argv: list[str] | None = None) -> None:
         rows[-1] += [f"{ratio:.2f}", ""]
     print(
         f"\nTrain step: tokens/s, MFU against {args.peak_tflops:g} TFLOP/s (FLOPs from the "
-        "compiled step's cost analysis), compile = lower + compile seconds; ratios to the "
-        "first row of each group\n"
+        "compiled step's cost analysis), compile = lower + compile seconds; ratios (vs ref) to "
+        "the first row run of each group: " + "; ".join(refs.values()) + "\n"
     )
     header = [
         "precision, approach",
         "tokens/s",
-        "vs fp32",
+        "vs ref",
         "MFU %",
         "ms/step (n)",
-        "temp GB (vs fp32)",
+        "temp GB (vs ref)",
         "compile s",
         "compile vs ref",
         "loss",

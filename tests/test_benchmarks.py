@@ -198,7 +198,14 @@ def test_gpu_benchmark_only_selects_rows_and_names_them_when_none_match(benchmar
     import gpu_benchmark
 
     gpu_benchmark.main(["--tiny", "--no-update-table", "--only", "low memory"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # Each row's start and result go to stderr as they happen, so that a run stopped from
+    # outside still shows what it measured and which row it was in.
+    label = re.escape("low memory: bfloat16 params + moments, stochastic rounding")
+    assert re.search(rf"^\[ *\d+ s\] {label}: compiling and timing$", err, re.M), err
+    assert re.search(
+        rf"^\[ *\d+ s\] {label}: compile [\d.]+ s, [\d.]+ ms/step \(3 steps\)", err, re.M
+    )
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert rows == [
         "precision, approach",
