@@ -11,7 +11,7 @@ two rows train a deep unscanned model (24 layers, 294 parameter leaves) in float
 mixed_float16 with jaxmp, and three rows compile the optimizer update alone over 2,000
 leaves (`compile_cost.py`'s programs: plain `optax.adam`, `jaxmp.loss_scaling(adam)` and
 `jaxmp.mixed_precision` with float16 params); their "compile vs ref" column is the ratio of
-lower + compile time to the first row of their group. The FP8 rows run mixed_bfloat16 with
+lower + compile time to the first row run of their group. The FP8 rows run mixed_bfloat16 with
 the linear layers' matmuls in FP8 (`jaxmp.autocast` with a recipe: current, delayed and block
 scaling; the head and attention's products of activations stay in bfloat16, as in
 examples/train.py's ``fp8`` key); a line after the table gives their tokens/s over the
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         metavar="TEXT",
         help="run only the train-step and compile rows whose label contains TEXT (repeatable; "
-        "a row's ratios need its group's first row, the FP8 and low-memory lines the "
+        "ratios are to the first row run of each group; the FP8 and low-memory lines need the "
         f"{BF16_ROW!r} row)",
     )
     args = parser.parse_args(argv)

@@ -213,6 +213,8 @@ def test_gpu_benchmark_only_selects_rows_and_names_them_when_none_match(benchmar
         "low memory: bfloat16 params + moments, stochastic rounding",
     ]
     assert "no mixed_bfloat16, jaxmp row to compare with" in out
+    # The ratios are to the first row run, named above the table.
+    assert "the first row run of each group: low memory: bfloat16 params + moments" in out
     with pytest.raises(SystemExit) as exit_info:
         gpu_benchmark.main(["--tiny", "--only", "fp9"])
     assert exit_info.value.code == 2
