@@ -163,6 +163,18 @@ def progress(start: float, message: str) -> None:
     print(f"[{time.perf_counter() - start:5.0f} s] {message}", file=sys.stderr, flush=True)
 
 
+def attempt(start: float, label: str, doing: str, measure: Any, *args: Any) -> dict[str, Any]:
+    """Row `label`'s ``measure(*args)``, or ``{"error": ...}`` if it raised (out of memory, say:
+    the run goes on); what it is `doing`, then its result, go to stderr (`progress`)."""
+    progress(start, f"{label}: {doing}")
+    try:
+        result = measure(*args)
+    except Exception as e:  # noqa: BLE001
+        result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+    progress(start, f"{label}: {describe(result)}")
+    return result
+
+
 def describe(result: dict[str, Any] | None) -> str:
     if result is None:
         return "skipped (time budget)"
@@ -285,25 +297,17 @@ def main(argv: list[str] | None = None) -> None:
             results[label] = None
             continue
         row_deadline = time.perf_counter() + share
-        progress(start, f"{label}: compiling and timing")
-        try:
-            results[label] = run_row(
-                approach, precision, configs[config_name], tokens[config_name], steps, row_deadline
-            )
-        except Exception as e:  # noqa: BLE001 (report, e.g., out of memory, and go on)
-            results[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
-        progress(start, f"{label}: {describe(results[label])}")
+        config, batch = configs[config_name], tokens[config_name]
+        results[label] = attempt(
+            start, label, "compiling and timing", run_row,
+            approach, precision, config, batch, steps, row_deadline,
+        )  # fmt: skip
     for i, (label, name) in enumerate(compile_rows):
         left = len(compile_rows) - i + (0 if args.no_update_table else 1)
         if (deadline - time.perf_counter()) / left < (1 if args.tiny else 30):
             results[label] = None
             continue
-        progress(start, f"{label}: compiling")
-        try:
-            results[label] = compile_row(name, compile_leaves)
-        except Exception as e:  # noqa: BLE001
-            results[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
-        progress(start, f"{label}: {describe(results[label])}")
+        results[label] = attempt(start, label, "compiling", compile_row, name, compile_leaves)
 
     refs = {}
     for label, _, _, config_name in rows_to_run:
