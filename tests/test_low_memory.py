@@ -4,6 +4,7 @@ Digits parity: every low-memory mode trains the 8x8 digits to within one point o
 bfloat16 params with a float32 master copy.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,11 +108,73 @@ def test_composition_and_state_helpers():
         ("bf16", dict(moments=("bf16", "fp9")), ValueError, r"`moments\[1\]` must be one of"),
         ("bf16", dict(moments=("bf16",)), ValueError, r"`moments` must be a storage format or"),
         ("bf16", dict(seed=1.5), TypeError, r"`seed` must be an int, got 1.5"),
+        ("bf16", dict(check_outputs="yes"), TypeError, r"`check_outputs` must be a bool, got 'y"),
+        ("bf16", dict(param_specs={"w": ("data",)}), TypeError,
+         r"`param_specs` must be None or a pytree of jax.sharding.PartitionSpec .*got a leaf "
+         r"'data'"),
+        ("bf16", dict(moments="int8", moment_fields={"nu": "second"}), TypeError,
+         r"`moment_fields` must map state types"),
     ],
 )  # fmt: skip
 def test_options_are_validated_at_construction(policy, kwargs, error, match):
     with pytest.raises(error, match=match):
         jaxmp.mixed_precision(optax.adam(1e-3), policy, **kwargs)
+
+
+# --- check_outputs: a step that overflows on finite gradients is skipped, in every mode ------
+
+CHECKED_MODES = {
+    "master_weights": dict(),
+    "round_to_nearest": dict(master_weights=False),
+    "stochastic": dict(master_weights=False, rounding="stochastic"),
+    "kahan": dict(master_weights=False, rounding="kahan"),
+}
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16", "int8", "fp8", ("bf16", "int8")])
+@pytest.mark.parametrize("mode", list(CHECKED_MODES))
+def test_check_outputs_through_mixed_precision_in_every_moment_format(mode, moments):
+    # The README's check_outputs guarantee, through mixed_precision: Adam's second moment of
+    # a gradient of 1e20 is inf; the step is skipped, nothing non-finite reaches the params
+    # or the optimizer state, and the state is the one before the step, bit for bit.
+    tx = jaxmp.mixed_precision(
+        optax.adam(1e-2), "bf16", moments=moments, check_outputs=True, **CHECKED_MODES[mode]
+    )
+    params = {"w": jnp.ones((4, 32), BF16)}
+    state = jax.jit(tx.init)(params)
+
+    @jax.jit
+    def step(params, state, grads):  # (optax's adam is not strict-promotion clean)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = step(params, state, {"w": jnp.full((4, 32), 0.5, BF16)})
+    assert int(state.skipped_steps) == 0
+    huge = {"w": jnp.full((4, 32), 0.5, BF16).at[2, 3].set(1e20)}
+    new_params, new_state = step(params, state, huge)
+    assert int(new_state.skipped_steps) == 1 and not bool(new_state.grads_finite)
+    chex.assert_trees_all_equal(new_params, params)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+    assert bool(jaxmp.all_finite((new_params, new_state)))
+    assert bool(jaxmp.all_finite(jaxmp.inner_state(new_state)))
+
+
+def test_check_outputs_is_off_by_default_and_compressed_moments_then_stay_infinite():
+    # Without the check, the overflowing step is applied as with float32 moments: the
+    # infinite second moment stays infinite (not saturated to bfloat16's largest value), the
+    # param it divides stops moving, and every param stays finite.
+    tx = jaxmp.mixed_precision(optax.adam(1e-2), "f32", moments="bfloat16")
+    params = {"w": jnp.ones((4, 32))}
+    state = jax.jit(tx.init)(params)
+    step = jax.jit(tx.update)
+    updates, state = step({"w": jnp.full((4, 32), 0.5).at[2, 3].set(1e20)}, state, params)
+    assert int(state.skipped_steps) == 0
+    params = optax.apply_updates(params, updates)
+    for _ in range(2):
+        updates, state = step({"w": jnp.full((4, 32), 0.5)}, state, params)
+        params = optax.apply_updates(params, updates)
+    assert bool(jaxmp.all_finite(params))
+    assert float(jaxmp.inner_state(state)[0].nu["w"][2, 3]) == np.inf
 
 
 def test_linen_train_state_wraps_a_rounding_transform_in_loss_scaling_only():

@@ -7,15 +7,18 @@ A float32 master copy (`master_weights`), or none and a rounding rule (round-to-
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import optax
 
 from jaxmp._src import dtypes
 from jaxmp._src import policy as policy_lib
-from jaxmp._src.compress_state import compress_state, parse_format
+from jaxmp._src.compress_state import check_moment_fields, compress_state, parse_format
 from jaxmp._src.kahan_summation import kahan_summation
 from jaxmp._src.master_weights import master_weights as master_weights_lib
-from jaxmp._src.stochastic_rounding import check_seed, stochastic_rounding
+from jaxmp._src.stochastic_rounding import check_param_specs, check_seed, stochastic_rounding
 
 #: The values of `mixed_precision`'s ``rounding``.
 ROUNDINGS = ("nearest", "stochastic", "kahan")
@@ -88,6 +91,8 @@ def wrap(
     master_weights: bool | None = None,
     rounding: str = "nearest",
     moments: str | tuple[str, str] = "float32",
+    moment_fields: Mapping[type, Mapping[str, str]] | None = None,
+    param_specs: Any = None,
     seed: int = 0,
 ) -> optax.GradientTransformation:
     """`inner` with the state storage and param updates of `mixed_precision`'s options.
@@ -99,12 +104,17 @@ def wrap(
     keep, rounding = check_options(policy, master_weights, rounding)
     first, second = check_moments(moments)
     seed = check_seed(seed)
+    param_specs = check_param_specs(param_specs)
     if (first, second) != ("float32", "float32"):
-        inner = compress_state(inner, first, second, seed=seed)
+        inner = compress_state(
+            inner, first, second, moment_fields=moment_fields, param_specs=param_specs, seed=seed
+        )
+    else:
+        check_moment_fields(moment_fields)
     if keep:
         return master_weights_lib(inner)
     if rounding == "stochastic":
-        return stochastic_rounding(inner, seed=seed)
+        return stochastic_rounding(inner, seed=seed, param_specs=param_specs)
     if rounding == "kahan":
         return kahan_summation(inner, policy.param_dtype)
     return inner

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import optax
@@ -39,6 +40,9 @@ def mixed_precision(
     master_weights: bool | None = None,
     rounding: str = "nearest",
     moments: str | tuple[str, str] = "float32",
+    moment_fields: Mapping[type, Mapping[str, str]] | None = None,
+    param_specs: Any = None,
+    check_outputs: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer for training under `policy`.
@@ -73,6 +77,21 @@ def mixed_precision(
       moments: the storage format of the optimizer's moments (`compress_state`):
         ``"float32"`` (as computed), ``"bfloat16"``, ``"int8"`` or ``"fp8"``, or a
         pair for the first and the second moment.
+      moment_fields: for compressed moments, what the fields of state types that
+        `compress_state` does not know hold (``{StateType: {field: "first" |
+        "second" | "keep" | "inner"}}``; see `compress_state`).
+      param_specs: for an update inside `jax.shard_map` with params split over
+        mesh axes: the params' `PartitionSpec` as given to ``in_specs``, so that
+        stochastic rounding (of params and of compressed moments) draws each
+        element's random bits from its index in the whole param, as unsharded.
+      check_outputs: also skip a step whose updates, new optimizer state or new
+        params are not finite (`loss_scaling`'s ``check_outputs``): Adam's second
+        moment of a gradient of 1e20 is inf, in every moment format. Off by
+        default: the check reads the new state and params once more (with
+        bfloat16 params and moments, about twice the memory traffic of the
+        update). Without it, an update that overflows on finite gradients is
+        applied: an infinite second moment stays infinite (with compressed
+        moments too) and the params it divides stop moving.
       seed: the seed of the PRNG keys of stochastic rounding (of the params and of
         compressed moments).
 
@@ -109,6 +128,8 @@ def mixed_precision(
         master_weights=master_weights,
         rounding=rounding,
         moments=moments,
+        moment_fields=moment_fields,
+        param_specs=param_specs,
         seed=seed,
     )
-    return loss_scaling(inner, loss_scale, axis_name=axis_name)
+    return loss_scaling(inner, loss_scale, axis_name=axis_name, check_outputs=check_outputs)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxmp._src import dtypes
@@ -82,18 +83,92 @@ def _mix(h: jax.Array) -> jax.Array:
     return h ^ (h >> np.uint32(16))
 
 
-def random_bits(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def normalize_spec(spec: Any, ndim: int, *, arg: str) -> tuple[tuple[str, ...], ...]:
+    """`spec` (a `PartitionSpec`, or a tuple like one) as one tuple of mesh axis names per
+    dimension of an array of `ndim` dimensions (empty: not sharded)."""
+    entries = tuple(spec) if isinstance(spec, (PartitionSpec, tuple)) else None
+    if entries is None or len(entries) > ndim:
+        raise ValueError(
+            f"`{arg}` must be a PartitionSpec of at most {ndim} entries (one per dimension), "
+            f"got {spec!r}."
+        )
+    out = []
+    for entry in (*entries, *(None,) * (ndim - len(entries))):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        if not (isinstance(names, tuple) and all(isinstance(n, str) for n in names)):
+            raise ValueError(f"`{arg}` must be a PartitionSpec of mesh axis names, got {spec!r}.")
+        out.append(names)
+    return tuple(out)
+
+
+def shard_offsets(
+    shape: tuple[int, ...], spec: tuple[tuple[str, ...], ...]
+) -> tuple[list[Any], tuple[int, ...]]:
+    """Inside `jax.shard_map`: where the local block of `shape` starts in the whole array.
+
+    `spec` is the array's spec as `normalize_spec` gives it: for each dimension, the mesh
+    axes it is split over, major first (as `shard_map` splits it). Returns, per dimension,
+    the offset of this device's block (a uint32 scalar, or 0) and the whole array's shape.
+    """
+    u32 = jnp.dtype(jnp.uint32)
+    offsets: list[Any] = []
+    whole = []
+    for size, names in zip(shape, spec, strict=True):
+        if not names:
+            offsets.append(0)
+            whole.append(size)
+            continue
+        count = math.prod(jax.lax.axis_size(n) for n in names)
+        index = jax.lax.axis_index(names if len(names) > 1 else names[0])
+        offsets.append(index.astype(u32) * np.uint32(size))
+        whole.append(size * count)
+    return offsets, tuple(whole)
+
+
+def element_index(
+    shape: tuple[int, ...], spec: tuple[tuple[str, ...], ...] | None = None
+) -> jax.Array:
+    """The row-major index of each element of an array of `shape` in the whole array (uint32).
+
+    Without `spec`, the array is the whole array. With it (inside `jax.shard_map`, the
+    array's spec as `normalize_spec` gives it), the index of each element of this device's
+    block in the array `shard_map` split: from the device's position along the mesh axes
+    and the block's shape.
+    """
+    u32 = jnp.dtype(jnp.uint32)
+    if spec is None or not any(spec):
+        return jax.lax.iota(u32, math.prod(shape)).reshape(shape)
+    offsets, whole = shard_offsets(shape, spec)
+    index = jnp.zeros(shape, u32)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        position = jax.lax.broadcasted_iota(u32, shape, dim) + offsets[dim]
+        index = index + position * np.uint32(stride % 2**32)
+        stride *= whole[dim]
+    return index
+
+
+def hash_bits(words: jax.Array, index: jax.Array) -> jax.Array:
+    """Random uint32 bits for each uint32 `index`, from two random uint32 `words`."""
+    return _mix(_mix(index ^ words[0]) + words[1])
+
+
+def random_bits(
+    words: jax.Array, shape: tuple[int, ...], spec: tuple[tuple[str, ...], ...] | None = None
+) -> jax.Array:
     """Random uint32 bits of `shape` from two random uint32 `words` (a threefry key's data).
 
     Each element's bits are MurmurHash3's finaliser applied twice to its row-major index
     mixed with the two words: plain integer operations, which XLA fuses into the update that
     uses them. `jax.random.bits` runs threefry as a loop of its own on CPU and writes its
     bits to memory for the update to read (adding them to a float32 array accesses 16 times
-    the array's bytes, against 2 this way). The index is that of the whole array, so a
-    sharded array draws the bits the unsharded one would.
+    the array's bytes, against 2 this way). The index is that of the whole array: under
+    `jax.jit`, a sharded array is the whole array; inside `jax.shard_map`, where each device
+    sees only its block, `spec` (the array's spec, `normalize_spec`) gives each element its
+    index in the whole array (`element_index`). So a sharded array draws the bits the
+    unsharded one would.
     """
-    index = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
-    return _mix(_mix(index ^ words[0]) + words[1])
+    return hash_bits(words, element_index(shape, spec))
 
 
 def round_with_bits(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
@@ -219,8 +294,65 @@ def require_params(params: Any, name: str) -> None:
         )
 
 
+def check_param_specs(param_specs: Any, *, arg: str = "param_specs") -> Any:
+    """`param_specs` if it is None or a pytree of `PartitionSpec` leaves; else a TypeError."""
+    if param_specs is None:
+        return None
+    leaves = jax.tree.leaves(param_specs, is_leaf=_is_spec)
+    bad = [x for x in leaves if not isinstance(x, PartitionSpec)]
+    if bad:
+        raise TypeError(
+            f"`{arg}` must be None or a pytree of jax.sharding.PartitionSpec (the params' "
+            f"`in_specs` of jax.shard_map, a prefix of the params' tree), got a leaf {bad[0]!r}."
+        )
+    return param_specs
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def specs_of(param_specs: Any, params: Any, *, arg: str = "param_specs") -> list[Any]:
+    """One `PartitionSpec` (or None) per leaf of `params`, from a prefix tree of specs."""
+    leaves, treedef = jax.tree.flatten(params)
+    if param_specs is None:
+        return [None] * len(leaves)
+    try:
+        full = jax.tree.map(
+            lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+            param_specs,
+            params,
+            is_leaf=_is_spec,
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"`{arg}` must be a prefix of the params' tree (one PartitionSpec for a whole "
+            f"subtree), got {jax.tree.structure(param_specs, is_leaf=_is_spec)} "
+            f"for params {treedef}."
+        ) from e
+    return treedef.flatten_up_to(full)  # type: ignore[attr-defined]
+
+
+def bits_for(
+    words: jax.Array, x: Any, spec: Any, path: str, *, arg: str = "param_specs"
+) -> jax.Array:
+    """`random_bits` for the array `x` with its `PartitionSpec` (None: `x` is whole)."""
+    shape = jnp.shape(x)
+    if spec is None:
+        return random_bits(words, shape)
+    normalized = normalize_spec(spec, len(shape), arg=f"{arg}{path}")
+    try:
+        return random_bits(words, shape, normalized)
+    except NameError as e:  # jax.lax.axis_index outside shard_map: "unbound axis name"
+        raise ValueError(
+            f"`{arg}{path}` is {spec!r}, for an update inside jax.shard_map over those mesh "
+            f"axes, but this update is not: {e}. Outside shard_map, leave `{arg}` unset "
+            "(under jax.jit a sharded array is whole)."
+        ) from None
+
+
 def stochastic_rounding(
-    inner: optax.GradientTransformation, *, seed: int = 0
+    inner: optax.GradientTransformation, *, seed: int = 0, param_specs: Any = None
 ) -> optax.GradientTransformationExtraArgs:
     """Runs `inner` in float32 and rounds the new half-precision params stochastically.
 
@@ -240,8 +372,12 @@ def stochastic_rounding(
 
     The PRNG key is in the state (`StochasticRoundingState.key`, raw key data):
     split every step, checkpointed with the state, and the same on every device
-    (it is replicated, and the random bits of a sharded param are those of the
-    whole array, so replicas of a param round alike). A step that
+    (it is replicated). The random bits of each element are a hash of the key and
+    the element's index in the whole param, so replicas of a param round alike and
+    a sharded param rounds as the unsharded one would: under `jax.jit` a sharded
+    param is whole; inside `jax.shard_map`, where each device sees its block of a
+    param split over mesh axes, pass `param_specs` (the params' ``in_specs``) so
+    that each element's index is its index in the whole param. A step that
     `jaxmp.loss_scaling` skips keeps the key, as it keeps the rest of the state.
 
     `inner` is initialised with the params widened to float32 (its moments are then
@@ -251,14 +387,19 @@ def stochastic_rounding(
     Args:
       inner: the optax transformation computing the updates.
       seed: the seed of the PRNG key.
+      param_specs: for an update inside `jax.shard_map` with params split over
+        mesh axes: the params' `PartitionSpec` as given to `shard_map`'s
+        ``in_specs`` (a prefix of the params' tree). Default None: each param
+        the update sees is whole (outside `shard_map`, or replicated in it).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` with a `StochasticRoundingState`.
       `update` requires `params`.
 
     Raises:
-      TypeError: for a bad `inner` or `seed`; ValueError at trace time, if `update`
-        is called without `params`.
+      TypeError: for a bad `inner`, `seed` or `param_specs`; ValueError at trace
+        time, if `update` is called without `params`, or with `param_specs`
+        outside `shard_map` over their axes.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxmp
@@ -274,6 +415,7 @@ def stochastic_rounding(
     """
     inner = as_transformation(inner)
     seed = check_seed(seed)
+    param_specs = check_param_specs(param_specs)
 
     def init_fn(params):
         return StochasticRoundingState(
@@ -286,8 +428,10 @@ def stochastic_rounding(
         inner_updates, inner_state = inner.update(
             updates, state.inner_state, widen_floats(params), **extra_args
         )
-        p_leaves, p_def = jax.tree.flatten(params)
+        p_with_path, p_def = jax.tree_util.tree_flatten_with_path(params)
+        p_leaves = [p for _, p in p_with_path]
         u_leaves = p_def.flatten_up_to(inner_updates)  # a None update covers its subtree
+        specs = specs_of(param_specs, params)
         rounded = [i for i, p in enumerate(p_leaves) if is_rounded_param(p)]
         key, keys = next_keys(state.key, len(rounded))
         out = [other_update(u, p) for u, p in zip(u_leaves, p_leaves, strict=True)]
@@ -296,7 +440,9 @@ def stochastic_rounding(
             if update is None:
                 continue
             new = param.astype(jnp.float32) + jnp.asarray(update).astype(jnp.float32)
-            target = round_with_bits(new, param.dtype, random_bits(leaf_key, param.shape))
+            path = jax.tree_util.keystr(p_with_path[i][0])
+            bits = bits_for(leaf_key, param, specs[i], path)
+            target = round_with_bits(new, param.dtype, bits)
             out[i] = tree_lib.update_to(target.astype(jnp.float32), param)[1]
         return jax.tree.unflatten(p_def, out), StochasticRoundingState(
             key=key, inner_state=inner_state
