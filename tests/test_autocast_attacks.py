@@ -19,7 +19,7 @@ from jax import lax
 
 import jaxmp
 from jaxmp._src.autocast import autocast
-from tests.conftest import F32, HALF_DTYPES, assert_close
+from tests.conftest import F32, HALF_DTYPES, all_eqns, assert_close
 
 POLICIES = {jnp.dtype(jnp.float16): "mixed_float16", jnp.dtype(jnp.bfloat16): "mixed_bfloat16"}
 
@@ -411,3 +411,135 @@ def test_linen_attention_cache_round_trip():
         assert jax.tree.structure(cache) == jax.tree.structure(ref_cache)
         assert_same_state_leaves(jax.tree.leaves(cache), jax.tree.leaves(ref_cache), jnp.float16)
         cast_vars, plain_vars = {**variables, **cache}, {**variables, **ref_cache}
+
+
+# ---------------------------------------------------------------------------------------------
+# Half-precision params and inputs (the low-memory setup): the program itself widens a
+# reduction's input to float32 and narrows the result back (`jnp.mean`, `jnp.sum`, `jnp.var`
+# on float16 or bfloat16 arrays); autocast drops the narrowing, so the float32 result reaches
+# the output (in `policy.output_dtype`) without a round trip through the half dtype.
+
+HALF_PARAM_POLICIES = {
+    jnp.dtype(jnp.float16): ("p=f16,c=f16,o=f32", "p=f16,c=f16,o=f16"),
+    jnp.dtype(jnp.bfloat16): ("p=bf16,c=bf16,o=f32", "p=bf16,c=bf16,o=bf16"),
+}
+
+
+def half_param_batch(dtype):
+    """Multiples of 1/4 up to 2.75: exact in both half dtypes, their squares too, but the
+    mean of the squares (7.707...) is not: rounded to bfloat16 it is 7.71875."""
+    x = ((np.arange(32 * 16) % 23 - 11) / 4).astype(np.float32).reshape(32, 16)
+    return jnp.asarray(x, dtype)
+
+
+REDUCTION_LOSSES = {
+    "mean_of_squares": lambda h: jnp.mean(h**2),
+    "sum_then_scale": lambda h: jnp.sum(h * h) / h.size,
+    "var": lambda h: jnp.var(h),
+    "masked_mean": lambda h: jnp.mean(h * h, where=h != 0.25),
+    "mean_then_scalar_ops": lambda h: jnp.sqrt(jnp.mean(h * h, -1)).sum() * 0.5,
+}
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("loss", sorted(REDUCTION_LOSSES))
+def test_half_params_reduction_keeps_float32_result(loss, dtype):
+    """The result equals the float32 program's: the matmul (identity weights) and the
+    squares are exact, so any difference is the half dtype's rounding of the result."""
+    fn = REDUCTION_LOSSES[loss]
+
+    def model(w, x):
+        return fn(x @ w)
+
+    x = half_param_batch(dtype)
+    w = jnp.eye(16, dtype=dtype)
+    expected = jax.jit(model)(w.astype(F32), x.astype(F32))
+    policy = jaxmp.get_policy(HALF_PARAM_POLICIES[dtype][0])
+    with jax.numpy_dtype_promotion("strict"):
+        out = jax.jit(autocast(model, policy))(w, x)
+    assert out.dtype == F32
+    assert_close(out, expected, F32)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_params_sum_above_half_range_is_finite(dtype):
+    """A sum of squares of 262144 (float16's max is 65504) is not narrowed to inf."""
+    x = jnp.full((2**16,), 2.0, dtype)
+    out = jax.jit(autocast(lambda x: jnp.sum(x * x), HALF_PARAM_POLICIES[dtype][0]))(x)
+    assert out.dtype == F32
+    assert float(out) == 262144.0
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("which", [0, 1], ids=["o=f32", "o=half"])
+def test_half_params_reduction_output_has_output_dtype(which, dtype):
+    policy = jaxmp.get_policy(HALF_PARAM_POLICIES[dtype][which])
+    x = half_param_batch(dtype)
+    out = jax.jit(autocast(lambda x: jnp.mean(x * x), policy))(x)
+    assert out.dtype == policy.output_dtype
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_params_statistic_stays_float32_up_to_the_next_matmul(dtype):
+    """A LayerNorm written for half inputs runs in float32 up to the next matmul, as
+    autocast runs a float32 model's LayerNorm; the matmul itself is in the compute dtype."""
+    model = nn.Sequential([nn.LayerNorm(dtype=dtype, param_dtype=dtype), nn.Dense(8)])
+    x = half_param_batch(dtype)
+    variables = model.init(jax.random.key(0), x)
+    variables = jax.tree.map(lambda v: v.astype(dtype), variables)
+    policy = HALF_PARAM_POLICIES[dtype][0]
+    jaxpr = jaxmp.autocast_jaxpr(model.apply, policy)(variables, x)
+    narrowing = [
+        e
+        for e in all_eqns(jaxpr)
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.dtype == F32
+        and e.outvars[0].aval.dtype == dtype
+    ]
+    # Only the matmul's operand is cast down: the normalised activation, once.
+    assert len(narrowing) == 1
+    (dot,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert dot.outvars[0].aval.dtype == dtype
+    assert narrowing[0].outvars[0] in dot.invars
+    expected = jax.jit(model.apply)(jax.tree.map(lambda v: v.astype(F32), variables), x)
+    out = jax.jit(autocast(model.apply, policy))(variables, x)
+    assert out.dtype == F32
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_narrowing_the_program_wrote_elsewhere_is_kept(dtype):
+    """Only the narrowing back after a float32 op is dropped: a float32 model's own
+    ``.astype(half)``, a widen-then-narrow round trip with no float32 op between, and a
+    narrowing of a float32 reduction of float32 values stay as written."""
+
+    def f32_model(w, x):
+        return jnp.sum(x @ w).astype(dtype), (x @ w).astype(dtype)
+
+    def round_trip(x):
+        return x.astype(F32).astype(dtype) * x
+
+    w, x = jnp.eye(16), half_param_batch(dtype).astype(F32)
+    policy = HALF_PARAM_POLICIES[dtype][1]  # output dtype half: the output cast is a no-op
+    total, h = jax.jit(autocast(f32_model, policy))(w, x)
+    assert (total.dtype, h.dtype) == (dtype, dtype)
+    jaxpr = jaxmp.autocast_jaxpr(round_trip, policy)(x.astype(dtype))
+    assert [str(v.aval.dtype) for e in jaxpr.eqns for v in e.outvars] == [
+        "float32",
+        str(dtype),
+        str(dtype),
+    ]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_params_gradients_keep_param_dtype(dtype):
+    x = half_param_batch(dtype)
+    w = jnp.eye(16, dtype=dtype)
+
+    def loss(w, x):
+        return jnp.mean((x @ w) ** 2)
+
+    grads = jax.jit(jax.grad(autocast(loss, HALF_PARAM_POLICIES[dtype][0])))(w, x)
+    expected = jax.jit(jax.grad(loss))(w.astype(F32), x.astype(F32))
+    assert grads.dtype == dtype
+    assert_close(grads, expected, dtype)

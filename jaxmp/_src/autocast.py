@@ -55,11 +55,23 @@ masked softmax row NaN. They drive the promotion like a computed float32 value, 
 masked scores and their softmax run in float32.
 
 Other rules: ``convert_element_type`` between two float dtypes that the program wrote
-(``x.astype(jnp.float32)`` on a float16 value) is kept; one that only changes weak typing
-is dropped. Integer, boolean and PRNG-key values are never touched. Scatters, bit casts
-and ``custom_vjp`` functions are re-bound exactly as traced, their floating operands cast
-back to the dtypes they were traced with. ``custom_jvp`` functions keep their custom rule:
-both the function and its JVP rule are evaluated under autocast.
+(``x.astype(jnp.float32)`` on a float16 value) is kept, except the narrowing described
+next; one that only changes weak typing is dropped. Integer, boolean and PRNG-key values
+are never touched. Scatters, bit casts and ``custom_vjp`` functions are re-bound exactly as
+traced, their floating operands cast back to the dtypes they were traced with.
+``custom_jvp`` functions keep their custom rule: both the function and its JVP rule are
+evaluated under autocast.
+
+Half-precision parameters and inputs (the low-memory setup): on a float16 or bfloat16
+array, ``jnp.mean``, ``jnp.sum``, ``jnp.var`` and Flax's norms widen to float32, reduce,
+and narrow the result back to the input's dtype. The narrowing that only undoes the
+program's own widening after a float32 op is dropped (`_restoring_converts`): the float32
+result stays float32 up to the next low-precision op, like a float32 model's statistics,
+and an output gets ``policy.output_dtype``. So a loss under ``p=bf16,c=bf16,o=f32`` is the
+float32 mean, not the float32 mean rounded to bfloat16, and a float16 sum of squares of
+262144 is 262144, not inf. A narrowing with no float32 op since the widening, or of a
+float32 computation that also reads values the program did not widen (a float32 model's
+``.astype(jnp.float16)``), is kept.
 """
 
 from __future__ import annotations
@@ -171,6 +183,7 @@ class _Frame:
 
     regions: list[bool]
     paths: _Float32Paths
+    restores: frozenset[int]  # narrowing converts that are dropped (`_restoring_converts`)
     wide_env: dict[Any, Any]  # the float32 versions of values on a float32 path
     cache: dict[Any, Any]  # one convert per value and dtype
 
@@ -195,7 +208,8 @@ class _AutocastRules(interpret.Rules):
     def start(self, jaxpr: Any) -> _Frame:
         regions = [REGION_SCOPE in compat.name_stack_of(eqn) for eqn in jaxpr.eqns]
         paths = _float32_paths(jaxpr, self.ctx, regions)
-        return _Frame(regions, paths, {}, {})
+        restores = _restoring_converts(jaxpr, self.ctx, regions)
+        return _Frame(regions, paths, restores, {}, {})
 
     def apply(
         self, frame: _Frame, index: int, eqn: Any, vals: list[_Value], interp: Any
@@ -209,7 +223,10 @@ class _AutocastRules(interpret.Rules):
                 for v, x in zip(eqn.invars, values, strict=True)
             ]
         if index in paths.wide:
-            wide_outs = _run_wide(eqn, wide_vals, flags, frame.cache)
+            if index in frame.restores:
+                wide_outs = wide_vals
+            else:
+                wide_outs = _run_wide(eqn, wide_vals, flags, frame.cache)
             for var, value in zip(eqn.outvars, wide_outs, strict=True):
                 if not isinstance(var, compat.DropVar):
                     frame.wide_env[var] = value
@@ -217,6 +234,8 @@ class _AutocastRules(interpret.Rules):
                 return None
         if index in paths.sinks:
             values = wide_vals
+        if index in frame.restores:
+            return [_Value(values[0], False)]
         region = frame.regions[index]
         if not region and eqn.primitive.name not in self.ctx.low_ops | self.ctx.float32_ops:
             outs = interp.higher_order(eqn, vals)
@@ -313,6 +332,87 @@ def _float32_paths(jaxpr: Any, ctx: _Context, regions: list[bool]) -> _Float32Pa
         else:
             need_plain.update(all_vars(eqn))
     return _Float32Paths(frozenset(sinks), frozenset(wide), frozenset(wide_only))
+
+
+# How a float32 value of the traced program was computed, for `_restoring_converts`: from
+# values the program widened from this half dtype (and constants), and whether a float32 op
+# of autocast ran on the way.
+_Widened = tuple[np.dtype, bool]
+
+
+def _restoring_converts(jaxpr: Any, ctx: _Context, regions: list[bool]) -> frozenset[int]:
+    """Finds the narrowing converts that only undo the program's own widening for a float32 op.
+
+    On half-precision inputs, ``jnp.mean``, ``jnp.sum``, ``jnp.var`` and Flax's norms widen
+    their input to float32, reduce, and narrow the result back to the input's dtype:
+    ``convert(f16 -> f32)``, ``reduce_sum``, ``div``, ``convert(f32 -> f16)``. Autocast
+    computes the reduction in float32 anyway, and the narrowing would round the float32
+    result to the half dtype (a mean 7.7078 becomes 7.71875 in bfloat16, a float16 sum of
+    262144 becomes inf) before a float32 output dtype widens it again. Such a convert is
+    dropped: the value stays float32 up to the next low-precision op, as a float32 model's
+    statistics do, and an output gets the policy's output dtype.
+
+    One forward pass. A convert is dropped when it narrows float32 to a half dtype ``d`` and
+    its operand was computed, through any ops other than low-precision ops, from values the
+    program widened from ``d`` to float32, literals and values without floating inputs
+    (``where`` counts), with at least one float32 op (`FLOAT32_OPS`) on the way. A widening
+    and narrowing with no float32 op between, and narrowings of float32 computations that
+    involve other float32 values (a float32 model's own ``.astype``), are kept.
+    """
+    f32 = dtypes.FLOAT32
+    widened: dict[Any, _Widened | None] = {}  # None: computed without floating inputs
+    restores = set()
+
+    def contains(eqn: Any, names: frozenset[str]) -> bool:
+        for sub in compat.jaxprs_in_params(eqn.params):
+            sub_jaxpr = getattr(sub, "jaxpr", sub)
+            for e in sub_jaxpr.eqns:
+                if e.primitive.name in names or contains(e, names):
+                    return True
+        return False
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        if regions[i] or name in ctx.low_ops:
+            continue
+        float_ins = [v for v in eqn.invars if _is_float_dtype(_dtype_of(v))]
+        known = [v for v in float_ins if not isinstance(v, compat.Literal)]
+        outs = [v for v in eqn.outvars if _is_float_dtype(_dtype_of(v)) and _dtype_of(v) == f32]
+        if name == "convert_element_type" and len(eqn.invars) == 1:
+            (var,) = eqn.invars
+            src, dst = _dtype_of(var), eqn.params["new_dtype"]
+            if not _is_float_dtype(src):  # an integer or boolean count: a constant here
+                widened.update((v, None) for v in outs)
+            elif not _is_float_dtype(dst):
+                pass
+            elif src.itemsize < 4 and dst == f32:
+                widened.update((v, (src, False)) for v in outs)
+            elif src == f32 and jnp.dtype(dst).itemsize < 4:
+                if known and widened.get(var) == (jnp.dtype(dst), True):
+                    restores.add(i)
+            elif src == jnp.dtype(dst) and known and var in widened:  # only weak type changes
+                widened.update((v, widened[var]) for v in outs)
+            continue
+        if not outs or any(v not in widened for v in known):
+            continue
+        if compat.has_subjaxprs(eqn.params) and contains(eqn, ctx.low_ops):
+            continue
+        origins = [o for o in (widened[v] for v in known) if o is not None]
+        sources = {o[0] for o in origins}
+        if len(sources) > 1:
+            continue
+        if not sources:
+            widened.update((v, None) for v in outs)
+            continue
+        ran = any(o[1] for o in origins) or name in ctx.float32_ops
+        ran = ran or contains(eqn, ctx.float32_ops)
+        widened.update((v, (sources.pop(), ran)) for v in outs)
+    return frozenset(restores)
+
+
+def _dtype_of(var: Any) -> Any:
+    """The dtype of a jaxpr variable or literal (None for an aval without one: a token)."""
+    return getattr(var.aval, "dtype", None)
 
 
 def _run_wide(eqn: Any, vals: list[Any], flags: list[bool], cache: dict[Any, Any]) -> list[Any]:
@@ -633,7 +733,10 @@ def autocast(
     computes in the compute dtype (a Linen attention cache) gets the output dtype: feed
     such state back only under a policy whose output dtype is the state's. Parameters are
     used as given (``policy.param_dtype`` is not applied): float32 parameters are cast where
-    they are used.
+    they are used. With half-precision parameters and inputs, a reduction that the program
+    itself widens to float32 and narrows back (``jnp.mean``, ``jnp.sum`` on a bfloat16
+    array) keeps its float32 result up to the next matmul or the output, which gets
+    ``policy.output_dtype``.
 
     Control flow (``jit``, ``scan``, ``while_loop``, ``cond``/``switch``, ``checkpoint``)
     is re-interpreted too; loop carries keep the dtype of their initial value. ``custom_jvp``
