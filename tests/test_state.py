@@ -68,3 +68,26 @@ def test_two_states_is_an_error():
     tx = optax.chain(jaxmp.loss_scaling(optax.sgd(0.1)), jaxmp.loss_scaling(optax.sgd(0.1)))
     with pytest.raises(ValueError, match=r"more than one .* at \[0\], \[1\]"):
         jaxmp.get_loss_scale(tx.init(_params()))
+
+
+@pytest.mark.parametrize(
+    "loss_scale",
+    [jaxmp.NoOpLossScale(), jaxmp.StaticLossScale(8.0), jaxmp.DynamicLossScale(4.0)],
+    ids=lambda ls: type(ls).__name__,
+)
+@pytest.mark.parametrize("copies", [1, 3])
+def test_metrics_share_one_shape_on_stacked_state(loss_scale, copies):
+    """A state stacked for `jax.pmap` (`flax.jax_utils.replicate` adds a leading axis to
+    every leaf) gives every metric that axis, also a loss scale that is not a leaf (the
+    no-op and a concrete static scale): ``metrics["loss_scale"][0]`` works whatever the
+    loss scale, as ``metrics["skipped_steps"][0]`` does."""
+    state = jaxmp.loss_scaling(optax.sgd(0.1), loss_scale).init(_params())
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *([state] * copies))
+    metrics = jax.jit(jaxmp.loss_scale_metrics)(stacked)
+    assert {k: v.shape for k, v in metrics.items()} == dict.fromkeys(metrics, (copies,))
+    assert metrics["loss_scale"].dtype == jnp.float32
+    expected = float(loss_scale.loss_scale)
+    assert [float(v) for v in metrics["loss_scale"]] == [expected] * copies
+    # Unstacked, every metric is a scalar.
+    metrics = jax.jit(jaxmp.loss_scale_metrics)(state)
+    assert {k: v.shape for k, v in metrics.items()} == dict.fromkeys(metrics, ())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
@@ -106,7 +107,12 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     """Returns the loss-scaling metrics for logging, as a dict of scalar arrays.
 
     Keys: ``loss_scale`` (float32), ``grads_finite`` (bool, the last step's),
-    ``skipped_steps`` and ``consecutive_skipped_steps`` (int32).
+    ``skipped_steps`` and ``consecutive_skipped_steps`` (int32). All four have one
+    shape: ``()`` for the state of one replica, and the leading axes of a stacked
+    state (``flax.jax_utils.replicate`` for ``jax.pmap``) for each of them, also
+    ``loss_scale`` where the scale is not an array of the state (`NoOpLossScale`, a
+    concrete `StaticLossScale`), so ``metrics["loss_scale"][0]`` works whatever the
+    policy.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -115,8 +121,12 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
       ['consecutive_skipped_steps', 'grads_finite', 'loss_scale', 'skipped_steps']
     """
     state = loss_scaling_state(opt_state)
+    loss_scale = jnp.asarray(state.loss_scale.loss_scale).astype(jnp.float32)
+    # A scale that is pytree metadata (no-op, concrete static) has no replica axis of its
+    # own: give it the counters' shape (issue 29, Flax wmt's `metrics["loss_scale"][0]`).
+    loss_scale = jnp.broadcast_to(loss_scale, jnp.shape(state.skipped_steps))
     return {
-        "loss_scale": jax.numpy.asarray(state.loss_scale.loss_scale).astype(jax.numpy.float32),
+        "loss_scale": loss_scale,
         "grads_finite": state.grads_finite,
         "skipped_steps": state.skipped_steps,
         "consecutive_skipped_steps": state.consecutive_skipped_steps,
