@@ -47,7 +47,40 @@ def _scopes() -> list[flax_common.ModulePolicies]:
     return _local.scopes
 
 
-def _interceptor(policies: flax_common.ModulePolicies):
+@dataclasses.dataclass
+class _ScopeRecord:
+    """What one `policy_scope` did: the modules that compute in their policy's dtype, and
+    those that keep an explicit ``dtype`` other than it (path and dtype)."""
+
+    followed: int = 0
+    kept: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def check(self, policy: policy_lib.Policy) -> None:
+        """Raises when the scope changed no module (Flax's lm1b passes ``dtype=config.dtype``
+        to every module: a "float16" scope would leave the whole model in float32)."""
+        if self.followed or not self.kept:
+            return
+        shown = ", ".join(f"{path}: {dtype}" for path, dtype in list(self.kept.items())[:4])
+        more = f", and {len(self.kept) - 4} more" if len(self.kept) > 4 else ""
+        raise ValueError(
+            f"`policy_scope({policy})` changed no module: the {len(self.kept)} modules "
+            f"called in it with a `dtype` all keep their own ({shown}{more}), so the model "
+            f"does not compute in {policy.compute_dtype.name}. A module's explicit `dtype=` "
+            "wins over the scope's policy: leave it at its default (`dtype=None`), give it "
+            "the policy's (`dtype=policy.compute_dtype`), or pass overrides, which win over "
+            "a module's own dtype (`overrides={nn.LayerNorm: 'float32', nn.Module: "
+            f"'{policy}'}}`, the first match wins). To run the model as it is, drop the scope."
+        )
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError:  # None, or not a dtype
+        return str(dtype)
+
+
+def _interceptor(policies: flax_common.ModulePolicies, record: _ScopeRecord):
     def interceptor(next_fun, args, kwargs, context):
         if _scopes()[-1] is not policies:  # the innermost scope decides alone
             return next_fun(*args, **kwargs)
@@ -75,6 +108,12 @@ def _interceptor(policies: flax_common.ModulePolicies):
                 continue
             saved[attr] = getattr(module, attr)
             object.__setattr__(module, attr, value)
+        if flax_common.has_field(module, flax_common.DTYPE_ATTR):
+            name = _dtype_name(getattr(module, flax_common.DTYPE_ATTR))
+            if name == policy.compute_dtype.name:
+                record.followed += 1
+            else:
+                record.kept[flax_common.path_string(path)] = name
         depth = getattr(_local, "depth", 0)
         _local.depth = depth + 1
         try:
@@ -121,7 +160,10 @@ def policy_scope(
     (``dtype=policy.compute_dtype, param_dtype=policy.param_dtype``). A module
     that passes its own defaulted ``dtype`` down (``Block(dtype=self.dtype)``)
     gets the policy's, and its layers receive it explicitly, so a path override
-    on the block reaches them.
+    on the block reaches them. A scope in which every module called keeps an
+    explicit ``dtype`` other than its policy's changes nothing (a "float16" run
+    of Flax's lm1b, which passes ``dtype=config.dtype`` to every module, would
+    train in float32): that is an error when the scope exits.
 
     Normalisation layers compute their statistics in at least float32 in any
     case (Flax upcasts them), and BatchNorm's ``batch_stats`` stay float32;
@@ -142,6 +184,9 @@ def policy_scope(
 
     Raises:
       TypeError / ValueError: for a bad `policy` or `overrides` entry (naming it).
+      ValueError: when the scope exits (at trace time) if modules with a ``dtype``
+        were called in it and none computes in its policy's compute dtype: the
+        message names them and the way out (``dtype=None``, or `overrides`).
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.linen
@@ -157,13 +202,16 @@ def policy_scope(
       dtype('float32')
     """
     policies = flax_common.module_policies(policy, overrides, module_base=nn.Module)
+    record = _ScopeRecord()
     scopes = _scopes()
     scopes.append(policies)
     try:
-        with nn.intercept_methods(_interceptor(policies)):
+        with nn.intercept_methods(_interceptor(policies, record)):
             yield policies.default
     finally:
         scopes.pop()
+    # Reached only when the body did not raise.
+    record.check(policies.default)
 
 
 def _split_overwrite(tree: Any) -> tuple[Any, Any]:

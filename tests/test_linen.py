@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import jax_utils
 from flax import linen as nn
 from flax.linen import fp8_ops
 from sklearn.datasets import load_digits
@@ -521,3 +522,95 @@ def test_policy_scope_fills_in_a_dtype_passed_down_from_a_default(overrides, exp
         "head": calls["Dense_0"]["__call__"][0].dtype,
     }
     assert dtypes == expected
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "float32"])
+def test_replicated_state_metrics_have_the_device_axis(policy):
+    """`flax.jax_utils.replicate` (Flax's pmap examples) gives every metric the device
+    axis, whatever the loss scale: Flax's wmt logs ``metrics["loss_scale"][0]``."""
+    model = nn.Dense(2)
+    params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    state = jaxmp.linen.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy
+    )
+    replicated = jax_utils.replicate(state)
+    metrics = replicated.metrics()
+    n = jax.local_device_count()
+    assert {k: v.shape for k, v in metrics.items()} == dict.fromkeys(metrics, (n,))
+    assert float(metrics["loss_scale"][0]) == float(state.loss_scale.loss_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# A scope that changes no module: every module keeps an explicit dtype other than the policy's
+# (Flax's lm1b passes `dtype=config.dtype`, float32, to every module), so a "float16" run would
+# train entirely in float32 under a float16 loss scale. It is an error at trace time.
+
+
+class AllExplicit(nn.Module):
+    """Every layer given ``dtype=config.dtype`` as in Flax's lm1b (whose top module has a
+    config, not a ``dtype`` of its own)."""
+
+    layer_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, dtype=self.layer_dtype, name="hidden")(x)
+        x = nn.LayerNorm(dtype=self.layer_dtype, name="norm")(x)
+        return nn.Dense(2, dtype=self.layer_dtype, name="head")(x)
+
+
+def _apply_under(policy, overrides=None, model=None, method="apply"):
+    model = AllExplicit() if model is None else model
+    x = jnp.ones((1, 3))
+    variables = model.init(jax.random.key(0), x)
+
+    @jax.jit
+    def run(variables, x):
+        with jaxmp.linen.policy_scope(policy, overrides):
+            if method == "init":
+                return model.init(jax.random.key(0), x)
+            return model.apply(variables, x)
+
+    return run(variables, x)
+
+
+@pytest.mark.parametrize("method", ["apply", "init"])
+def test_policy_scope_that_changes_no_module_is_an_error(method):
+    with pytest.raises(ValueError) as info:
+        _apply_under("float16", method=method)
+    message = str(info.value)
+    assert message.startswith(
+        "`policy_scope(p=f16,c=f16,o=f16)` changed no module: the 3 modules called in it with "
+        "a `dtype` all keep their own (/hidden: float32, /norm: float32, /head: float32)"
+    ), message
+    assert "`dtype=None`" in message
+    assert "overrides={nn.LayerNorm: 'float32', nn.Module: 'p=f16,c=f16,o=f16'}" in message
+
+
+def test_policy_scope_way_out_from_the_error_works():
+    # The way out the message gives: an override for every module, the norm kept float32.
+    y = _apply_under("float16", {nn.LayerNorm: "float32", nn.Module: "float16"})
+    assert y.dtype == F16
+    # Or the modules given the policy's dtype: then they follow it.
+    assert _apply_under("float16", model=AllExplicit(layer_dtype=jnp.float16)).dtype == F16
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["float32", "mixed_float16"],
+    ids=["same-dtype", "one-module-follows"],
+)
+def test_policy_scope_that_changes_some_module_is_not_an_error(policy):
+    if policy == "float32":  # every module already computes in the policy's dtype
+        assert _apply_under(policy).dtype == F32
+    else:  # `Configured`: one explicit float32 layer, the others follow the scope
+        assert _apply_under(policy, model=Configured()).dtype == F32
+
+
+def test_policy_scope_without_modules_or_with_an_error_inside_keeps_quiet():
+    with jaxmp.linen.policy_scope("float16"):
+        pass
+    with pytest.raises(ZeroDivisionError):
+        with jaxmp.linen.policy_scope("float16"):
+            AllExplicit().init(jax.random.key(0), jnp.ones((1, 3)))
+            _ = 1 / 0
