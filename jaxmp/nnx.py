@@ -10,6 +10,7 @@ skipped step does not advance ``step``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -134,6 +135,12 @@ def value_and_grad(
       The function ``g``; `loss_scale` is a `jaxmp.LossScale` (for example
       ``jaxmp.get_loss_scale(optimizer)``) or a scalar.
 
+    Raises:
+      TypeError: if `fun` is not callable; when ``g`` is called, if its first argument
+        is not a loss scale (a module or a batch passed first: the message says to pass
+        ``optimizer.loss_scale`` before them), or `fun` does not return a scalar loss
+        (or a pair with `has_aux`).
+
     Example:
       >>> import jax.numpy as jnp, jaxmp, jaxmp.nnx
       >>> from flax import nnx
@@ -147,7 +154,14 @@ def value_and_grad(
         raise TypeError(f"`fun` must be callable, got {fun!r}.")
 
     def g(loss_scale: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        scale = as_loss_scale_object(loss_scale)
+        # The usual slip is `value_and_grad(loss_fn)(model, x)`: say which argument is
+        # missing instead of printing the model (issue 29).
+        if nnx.graph.is_graph_node(loss_scale) or isinstance(loss_scale, nnx.State):
+            raise _not_a_loss_scale(loss_scale)
+        try:
+            scale = as_loss_scale_object(loss_scale)
+        except TypeError:
+            raise _not_a_loss_scale(loss_scale) from None
 
         scaled_fun = scaled_loss_fn(fun, scale, has_aux)
         grad_fn = nnx.value_and_grad(scaled_fun, argnums=_with_fp8(argnums, args), has_aux=True)
@@ -155,6 +169,25 @@ def value_and_grad(
         return value, grads
 
     return g
+
+
+def _not_a_loss_scale(x: Any) -> TypeError:
+    """The error for a first argument that is not a loss scale, described in a few words
+    (a module's repr can run to pages)."""
+    if isinstance(x, nnx.Module):
+        described = f"an nnx.Module ({type(x).__name__})"
+    elif isinstance(x, nnx.State):
+        described = "an nnx.State"
+    elif hasattr(x, "shape") and hasattr(x, "dtype"):
+        described = f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    else:
+        described = f"a {type(x).__name__}"
+    return TypeError(
+        "The first argument of the function that `jaxmp.nnx.value_and_grad` returns must be "
+        f"the loss scale, got {described}. Pass the loss scale first: "
+        "`jaxmp.nnx.value_and_grad(loss_fn)(optimizer.loss_scale, model, *batch)` (a "
+        "`jaxmp.LossScale`, or a positive float)."
+    )
 
 
 class Optimizer(nnx.Optimizer):
@@ -224,6 +257,22 @@ class Float8StateVariable(nnx.Variable):
     """
 
 
+class _ConstructorSignature:
+    """A class's ``__signature__``: its ``__init__``'s without ``self``.
+
+    NNX's metaclass defines ``__call__(*args, **kwargs)``, which `inspect.signature` (and
+    Sphinx) would show for the class. On an instance the attribute is absent, so a module's
+    own signature is that of its ``__call__``.
+    """
+
+    def __get__(self, instance: Any, owner: type) -> inspect.Signature:
+        if instance is not None:
+            raise AttributeError("__signature__")
+        init = next(vars(cls)["__init__"] for cls in owner.__mro__ if "__init__" in vars(cls))
+        signature = inspect.signature(init)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
 def _call_model(model: Any, *args: Any, **kwargs: Any) -> Any:
     return model(*args, **kwargs)
 
@@ -266,6 +315,8 @@ class Float8(nnx.Module):
       >>> float(model.fp8_state.get_value().scale["s0"][0])  # E4M3's 448 over the input's amax
       448.0
     """
+
+    __signature__ = _ConstructorSignature()
 
     def __init__(
         self,

@@ -1,5 +1,7 @@
 """jaxmp.nnx: set_policy, value_and_grad and Optimizer, trained on scikit-learn's 8x8 digits."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,3 +273,58 @@ def test_outputs_have_the_last_layers_dtype_and_cast_to_output_gives_the_policys
     # Overriding the last layer changes its compute dtype, so the output's.
     jaxmp.nnx.set_policy(model, policy, {**OVERRIDES, "/out": "float32"})
     assert model(x).dtype == F32
+
+
+@pytest.mark.parametrize(
+    ("first", "described"),
+    [
+        (lambda model, x: model, "an nnx.Module (Linear)"),
+        (lambda model, x: x, "an array of shape (4, 2) and dtype float32"),
+        (lambda model, x: nnx.state(model), "an nnx.State"),
+        (lambda model, x: "mixed_float16", "a str"),
+    ],
+    ids=["module", "batch", "state", "string"],
+)
+def test_value_and_grad_without_the_loss_scale_says_so(first, described):
+    """Forgetting the loss scale (``value_and_grad(loss_fn)(model, x)``) gives a short
+    error naming the first argument as the loss scale, not the model's repr."""
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    x = jnp.ones((4, 2))
+
+    @nnx.jit
+    def step(model, x):
+        loss_fn = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+        return jaxmp.nnx.value_and_grad(loss_fn)(first(model, x), model, x)
+
+    with pytest.raises(TypeError) as info:
+        step(model, x)
+    message = str(info.value)
+    assert message.startswith(
+        "The first argument of the function that `jaxmp.nnx.value_and_grad` returns must be "
+        f"the loss scale, got {described}."
+    ), message
+    assert "optimizer.loss_scale, model" in message
+    assert "kernel" not in message and len(message) < 500, message
+
+
+def test_float8_signature_is_its_constructors():
+    """`inspect.signature` (and so the API page) shows the constructor's arguments, not the
+    ``(*args, **kwargs)`` of NNX's metaclass; an instance's is that of its ``__call__``."""
+    params = inspect.signature(jaxmp.nnx.Float8).parameters
+    assert list(params) == [
+        "model",
+        "policy",
+        "recipe",
+        "example_args",
+        "exclude",
+        "example_kwargs",
+    ]
+    assert params["exclude"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["exclude"].default is None
+    model = jaxmp.nnx.Float8(
+        nnx.Linear(4, 4, rngs=nnx.Rngs(0)), "mixed_bfloat16", jaxmp.Float8CurrentScaling()
+    )
+    assert list(inspect.signature(model).parameters) == ["args", "kwargs"]
+    assert nnx.graph.is_graph_node(model)
+    y = nnx.jit(lambda m, x: m(x))(model, jnp.ones((2, 4)))
+    assert y.shape == (2, 4)
