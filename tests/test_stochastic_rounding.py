@@ -1,5 +1,7 @@
 """`stochastic_round` and `stochastic_rounding`: unbiased, small updates kept, never inf."""
 
+import functools
+
 import chex
 import equinox as eqx
 import jax
@@ -228,3 +230,101 @@ def test_state_is_stable_under_scan():
     chex.assert_trees_all_equal_dtypes(new_state, state)
     assert new_params["w"].dtype == BF16
     assert float(new_params["w"].astype(F32).mean()) < 1.0
+
+
+# --- A split param draws the bits of the whole one -------------------------------------------
+# Inside `jax.shard_map` each device sees its block of a param; `vmap` over the blocks with the
+# same axis names runs the same code on one device (`jax.lax.axis_index` is the block's
+# position). tests/distributed/low_memory.py checks it under `shard_map` on 8 devices.
+
+
+# Each spec below is split over a 4 x 2 grid of mapped axes "a" and "b".
+SPLITS = {
+    "rows_and_columns": (("a",), ("b",)),
+    "rows_over_two_axes": (("a", "b"), ()),
+    "columns_minor_first": ((), ("b", "a")),
+}
+
+
+def _cut(x, spec):
+    """`x` (2-D) cut as shard_map cuts it over the grid: shape ``(4, 2, *block)``.
+
+    Each dimension is split over its axes, the first named axis major.
+    """
+    parts = [4 * 2 if len(n) == 2 else {"a": 4, "b": 2}[n[0]] if n else 1 for n in spec]
+    block = (x.shape[0] // parts[0], x.shape[1] // parts[1])
+    out = np.empty((4, 2, *block), x.dtype)
+    for a in range(4):
+        for b in range(2):
+            at = {(): 0, ("a",): a, ("b",): b, ("a", "b"): a * 2 + b, ("b", "a"): b * 4 + a}
+            r, c = at[spec[0]], at[spec[1]]
+            out[a, b] = x[r * block[0] : (r + 1) * block[0], c * block[1] : (c + 1) * block[1]]
+    return out
+
+
+def _on_grid(fn):
+    """`fn` of the block at each position of the 4 x 2 grid of mapped axes "a" and "b"."""
+    return jax.jit(jax.vmap(jax.vmap(fn, axis_name="b"), axis_name="a"))
+
+
+@pytest.mark.parametrize("spec", list(SPLITS.values()), ids=list(SPLITS))
+def test_element_index_of_a_block_is_its_index_in_the_whole_array(spec):
+    from jaxmp._src import stochastic_rounding as sr  # noqa: PLC0415
+
+    whole = np.arange(16 * 24, dtype=np.uint32).reshape(16, 24)
+    blocks = _cut(whole, spec)
+    with jax.numpy_dtype_promotion("strict"):
+        index = _on_grid(lambda x: sr.element_index(x.shape, spec))(blocks)
+    np.testing.assert_array_equal(index, blocks)
+
+
+@pytest.mark.parametrize(
+    ("moments", "split"),
+    [("float32", "rows_and_columns"), ("bf16", "rows_and_columns"),
+     ("bf16", "columns_minor_first"), ("int8", "rows_over_two_axes")],
+)  # fmt: skip
+def test_a_split_param_rounds_as_the_whole_one_with_param_specs(moments, split):
+    spec = SPLITS[split]
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(16, 24)), BF16)}
+    grads = {"w": jnp.asarray(rng.normal(size=(16, 24)), F32)}
+
+    def make(param_specs):
+        return jaxmp.mixed_precision(
+            optax.adam(1e-2), "bf16", master_weights=False, rounding="stochastic",
+            moments=moments, param_specs=param_specs,
+        )  # fmt: skip
+
+    def step(tx, params, grads):
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)
+        adam = jaxmp.inner_state(state)[0]  # decompressed
+        return optax.apply_updates(params, updates), {"mu": adam.mu, "nu": adam.nu}
+
+    whole = jax.jit(functools.partial(step, make(None)))(params, grads)
+    cut = jax.tree.map(lambda x: _cut(np.asarray(x), spec), (params, grads, whole))
+    # With the params' spec, each block's params and moments are those of the whole update.
+    split_specs = {"w": jax.P(*(n or None for n in spec))}
+    out = _on_grid(functools.partial(step, make(split_specs)))(*cut[:2])
+    chex.assert_trees_all_equal(out, cut[2])
+    assert not np.array_equal(out[0]["w"], cut[0]["w"])  # the params moved
+    # Without it, every block draws the bits of the whole param's first block: the result
+    # differs (the moments and the float32 moments' params alike).
+    out = _on_grid(functools.partial(step, make(None)))(*cut[:2])
+    assert not np.array_equal(out[0]["w"], cut[2][0]["w"])
+
+
+def test_param_specs_outside_shard_map_is_an_error_naming_it():
+    tx = jaxmp.stochastic_rounding(optax.sgd(1e-3), param_specs={"w": jax.P("data")})
+    params = {"w": jnp.ones(8, BF16)}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"`param_specs\['w'\]` is P.*\('data',\), "
+                       r"for an update inside jax.shard_map over those mesh axes"):  # fmt: skip
+        jax.jit(tx.update)(params, state, params)
+    with pytest.raises(ValueError, match=r"`param_specs\['w'\]` must be a PartitionSpec of at "
+                       r"most 1 entries"):  # fmt: skip
+        jaxmp.stochastic_rounding(optax.sgd(1e-3), param_specs={"w": jax.P("a", "b")}).update(
+            params, state, params
+        )
+    with pytest.raises(TypeError, match=r"`param_specs` must be None or a pytree of"):
+        jaxmp.stochastic_rounding(optax.sgd(1e-3), param_specs=["data"])

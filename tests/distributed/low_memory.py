@@ -9,11 +9,16 @@ JSON object: per run, the losses, whether every replica of every param is bit-id
 devices, whether every state leaf shaped like a param is sharded like it, whether the PRNG key
 is replicated, and the largest difference of the params from the single-device run and the
 fraction of params that differ from it at all.
+
+``python low_memory.py sharded_updates`` runs `shard_map_update_follows_one_device` alone, for
+each of `SHARDED_UPDATES`: updates inside `shard_map`, each device holding a block of every
+param, against one device's, with and without `param_specs`.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import common
 import jax
@@ -158,7 +163,91 @@ def rounding_follows_one_device(mesh_spec: str) -> bool:
     return bool(np.array_equal(np.asarray(single), np.asarray(sharded)))
 
 
+# Inside shard_map, params split over the mesh: (mesh, the params' spec, moment formats).
+SHARDED_UPDATES = {
+    "data=8|rows|int8": ("data=8", P("data"), ("int8", "fp8")),
+    "data=4,model=2|both|bf16": ("data=4,model=2", P("data", "model"), "bf16"),
+    "data=4,model=2|columns|bf16": ("data=4,model=2", P(None, ("data", "model")), "bf16"),
+}
+
+
+def shard_map_update_follows_one_device(name: str) -> dict:
+    """Whether an update inside `shard_map`, each device holding a block of every param, gives
+    the params and compressed moments of the same update on one device, bit for bit.
+
+    Stochastic rounding of the params and of the moments, with `param_specs` (each element's
+    random bits from its index in the whole param) and without (from its index in the block:
+    every block rounds alike, the result differs).
+    """
+    mesh_spec, spec, moments = SHARDED_UPDATES[name]
+    mesh = sharding.make_mesh(mesh_spec)
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(64, 48)), jnp.bfloat16),
+        "b": jnp.asarray(rng.normal(size=(64,)), jnp.bfloat16),
+    }
+    # A vector split over the mesh: its 8-bit blocks are reshaped along the split dimension,
+    # which `jaxmp.state_shardings` cannot trace on an explicit mesh; such a vector is kept whole.
+    specs = {"w": spec, "b": P(spec[0]) if moments == "bf16" else P()}
+    grads = [
+        jax.tree.map(lambda p, i=i: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+        for i in range(3)
+    ]
+
+    def run(tx, sharded: bool):
+        state = jax.jit(tx.init)(params)
+
+        def step(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        if sharded:
+            state_specs = jax.tree.map(
+                lambda s: s.spec,
+                jaxmp.state_shardings(
+                    tx, params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+                ),
+            )
+            step = jax.shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(specs, state_specs, specs),
+                out_specs=(specs, state_specs),
+                check_vma=False,
+            )
+        step = jax.jit(step)
+        p = params
+        for g in grads:
+            p, state = step(p, state, g)
+        return jax.device_get((p, state))
+
+    def make(param_specs):
+        return jaxmp.mixed_precision(
+            optax.adam(1e-2), POLICY, master_weights=False, rounding="stochastic",
+            moments=moments, param_specs=param_specs,
+        )  # fmt: skip
+
+    single = run(make(None), sharded=False)
+
+    def same(out) -> bool:
+        pairs = zip(jax.tree.leaves(out), jax.tree.leaves(single), strict=True)
+        return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
+
+    with_specs = run(make(specs), sharded=True)
+    without = run(make(None), sharded=True)
+    return {
+        "with_param_specs": same(with_specs),
+        "without_param_specs": same(without),
+        "params_moved": not np.array_equal(
+            np.asarray(with_specs[0]["w"], np.float32), np.asarray(params["w"], np.float32)
+        ),
+    }
+
+
 def main() -> None:
+    if sys.argv[1:] == ["sharded_updates"]:
+        common.emit({name: shard_map_update_follows_one_device(name) for name in SHARDED_UPDATES})
+        return
     result: dict = {"device_count": jax.device_count(), "runs": {}, "shard_map": {}}
     result["rounding_follows_one_device"] = {
         spec: rounding_follows_one_device(spec) for spec in MESHES if spec is not None
