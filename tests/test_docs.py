@@ -16,6 +16,7 @@ languages in `LANGUAGES`, so that no Python block goes unnoticed.
 
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 import re
@@ -154,6 +155,110 @@ def test_every_public_name_has_an_api_entry():
     assert not missing, f"add an autodoc entry (`.. autofunction:: NAME`) to docs/api/: {missing}"
     stale = sorted(documented - public - {"jaxmp", "jaxmp.linen", "jaxmp.nnx"})
     assert not stale, f"docs/api/ documents names that are not public: {stale}"
+
+
+# The "At a glance" table of docs/api/index.md: a call written there, ``name(a, b=1, *, c)``,
+# lists the parameters of the real signature in order (defaults are not compared), or a
+# prefix of them ended by ``...``; a name written without parentheses is not checked.
+_GLANCE_CALL = re.compile(r"`(?P<name>(?:jaxmp\.(?:linen|nnx)\.)?\w+)\((?P<args>[^`]*)\)`")
+
+
+def _glance_table() -> str:
+    """The first column (the names) of the table's rows, one row a line."""
+    text = (DOCS / "api" / "index.md").read_text()
+    rows = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| `")]
+    return "\n".join(rows)
+
+
+def _split_args(args: str) -> list[str]:
+    """The top-level comma-separated parts of `args`, each without its default."""
+    parts, depth, current = [], 0, ""
+    for char in args:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return [part.split("=", 1)[0].strip() for part in parts if part.strip()]
+
+
+def _signature_parts(obj) -> list[str]:
+    parts, star = [], False
+    for param in inspect.signature(obj).parameters.values():
+        if param.kind is param.VAR_POSITIONAL:
+            parts.append(f"*{param.name}")
+            star = True
+        elif param.kind is param.VAR_KEYWORD:
+            parts.append(f"**{param.name}")
+        else:
+            if param.kind is param.KEYWORD_ONLY and not star:
+                parts.append("*")
+                star = True
+            parts.append(param.name)
+    return parts
+
+
+def _resolve(name: str):
+    import jaxmp
+    import jaxmp.linen
+    import jaxmp.nnx
+
+    module, _, attr = name.rpartition(".")
+    return getattr({"": jaxmp, "jaxmp.linen": jaxmp.linen, "jaxmp.nnx": jaxmp.nnx}[module], attr)
+
+
+def test_api_glance_signatures_match_the_code():
+    calls = list(_GLANCE_CALL.finditer(_glance_table()))
+    assert len(calls) >= 25, calls
+    wrong = []
+    for call in calls:
+        written = _split_args(call["args"])
+        actual = _signature_parts(_resolve(call["name"]))
+        if written and written[-1] == "...":
+            ok = written[:-1] == actual[: len(written) - 1] and len(actual) >= len(written)
+        else:
+            ok = written == actual
+        if not ok:
+            wrong.append(f"{call.group(0)}: the code has ({', '.join(actual)})")
+    assert not wrong, "docs/api/index.md, At a glance:\n" + "\n".join(wrong)
+
+
+def test_api_glance_names_every_public_function_and_recipe():
+    """Every public function, and every class a user constructs, has a row."""
+    import jaxmp
+    import jaxmp.linen
+    import jaxmp.nnx
+
+    table = _glance_table()
+    named = set(re.findall(r"`((?:jaxmp\.(?:linen|nnx)\.)?\w+)", table))
+    expected = {name for name in jaxmp.__all__ if inspect.isfunction(getattr(jaxmp, name))}
+    expected |= {
+        f"jaxmp.{module.__name__.split('.')[-1]}.{name}"
+        for module in (jaxmp.linen, jaxmp.nnx)
+        for name in module.__all__
+        if inspect.isfunction(getattr(module, name))
+    }
+    expected |= {
+        "Policy",
+        "NoOpLossScale",
+        "StaticLossScale",
+        "DynamicLossScale",
+        "Float8CurrentScaling",
+        "DelayedScaling",
+        "Float8BlockScaling",
+        "MXFP8BlockScaling",
+        "Report",
+        "jaxmp.linen.TrainState",
+        "jaxmp.nnx.Optimizer",
+        "jaxmp.nnx.Float8",
+    }
+    missing = sorted(expected - named)
+    assert not missing, f"add a row to the At a glance table of docs/api/index.md: {missing}"
 
 
 def test_links_to_local_files_resolve():
