@@ -438,3 +438,31 @@ def test_bad_moment_fields_fail_at_construction(moment_fields, error, match):
         jaxmp.compress_state(optax.adam(1e-3), "int8", moment_fields=moment_fields)
     with pytest.raises(error, match=match):
         jaxmp.mixed_precision(optax.adam(1e-3), "bf16", moment_fields=moment_fields)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("spec", "second"), [((("a",), ()), False), (((), ("a",)), True)], ids=["rows", "columns"]
+)
+def test_a_split_leaf_compresses_as_the_whole_one_with_its_spec(fmt, spec, second):
+    # vmap over a named axis stands for shard_map's devices. Each device's part of a row is a
+    # whole number of blocks (24 columns in 4 parts of 6, blocks of 6): values and scales are
+    # the whole leaf's, bit for bit, the random bits drawn from each element's index in it.
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 24)) ** (1 + second), F32)
+    words = jnp.asarray([5, 6], jnp.uint32)
+
+    def run(x, spec=None):
+        return compress_lib.compress(
+            x, fmt, second_moment=second, block_size=6, words=words, spec=spec
+        )
+
+    whole = jax.jit(run)(x)
+    dim = 0 if spec[0] else 1
+    parts = jnp.stack(jnp.split(x, 4, axis=dim))
+    with jax.numpy_dtype_promotion("strict"):
+        split = jax.jit(jax.vmap(lambda p: run(p, spec), axis_name="a"))(parts)
+    joined = [None if s is None else jnp.concatenate(list(s), axis=dim) for s in split]
+    chex.assert_trees_all_equal(joined, list(whole))
+    # Without the spec, each part draws the bits of the first part: the values differ.
+    local = jax.jit(jax.vmap(run, axis_name="a"))(parts)
+    assert not np.array_equal(jnp.concatenate(list(local[0]), axis=dim), whole[0])

@@ -209,6 +209,12 @@ def test_update_is_strict_promotion_clean(dtype):
         updates, state = jax.jit(tx.update)({"w": jnp.ones(8, dtype)}, state, params)
         new = optax.apply_updates(params, updates)
     assert updates["w"].dtype == new["w"].dtype == dtype
+    # With param_specs, inside a mapped axis (shard_map's devices) too.
+    tx = jaxmp.stochastic_rounding(optax.sgd(0.1), param_specs={"w": jax.P("data")})
+    with jax.numpy_dtype_promotion("strict"):
+        update = jax.vmap(lambda g, p: tx.update(g, state, p)[0], axis_name="data")
+        updates = jax.jit(update)({"w": jnp.ones((4, 2), dtype)}, {"w": jnp.ones((4, 2), dtype)})
+    assert updates["w"].dtype == dtype
 
 
 def test_state_is_stable_under_scan():
