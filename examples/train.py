@@ -1293,8 +1293,29 @@ def load_configs(
         )
     for config in configs:
         if config.mesh:
-            sharding.parse_mesh(config.mesh)
+            check_mesh(config.mesh)
     return configs
+
+
+def check_mesh(spec: str) -> None:
+    """`sharding.parse_mesh` of a config's ``mesh``; on a CPU, a mesh larger than the device
+    count gets the way to simulate devices (the sharding guide's ``XLA_FLAGS``).
+
+    Raises:
+      ValueError: `sharding.parse_mesh`'s one line, with the hint where it applies.
+    """
+    try:
+        sharding.parse_mesh(spec)
+    except ValueError as e:
+        if "device count" not in str(e) or jax.default_backend() != "cpu":
+            raise
+        # The form is valid here: the device count is the last thing parse_mesh checks.
+        wanted = math.prod(int(part.partition("=")[2]) for part in spec.replace(" ", "").split(","))
+        raise ValueError(
+            f"{e} On a CPU, simulate {wanted} devices by starting the run with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (set before JAX starts; "
+            "see docs/guides/sharding.md)."
+        ) from None
 
 
 def compare(
@@ -1479,7 +1500,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.resume and (workdir / "config.yaml").is_file():
                 config = config_lib.load(str(workdir / "config.yaml"), args.set)
             if config.mesh:
-                sharding.parse_mesh(config.mesh)
+                check_mesh(config.mesh)
         inspect_steps: tuple[int, ...] = ()
         if args.inspect is not None:
             if args.compare is not None:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -480,6 +481,20 @@ CLI_CASES = {
         ["config file no/such/dir/run.yaml not found; " + VALID_NAMES],
     ),
     "unknown_name": (["--config", "fp64"], ["unknown config 'fp64'; " + VALID_NAMES]),
+    "misspelt_name": (
+        ["--config", "mixed_flaot16"],
+        ["unknown config 'mixed_flaot16'; " + VALID_NAMES, "Did you mean 'mixed_float16'?"],
+    ),
+    # One CPU device: the error says how to simulate four, as the sharding guide does.
+    "mesh_beyond_the_devices": (
+        ["--mesh", "data=4"],
+        [
+            "`mesh` sizes must multiply to the device count (1), got 'data=4' (product 4)",
+            "On a CPU, simulate 4 devices by starting the run with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=4 (set before JAX starts; see "
+            "docs/guides/sharding.md).",
+        ],
+    ),
     "unknown_key": (
         _set("colour=red"),
         ["unknown config key `colour`; valid keys are: name, precision, loss_scale"],
@@ -638,6 +653,63 @@ def test_config_file_errors(tmp_path):
     (tmp_path / "dir.yaml").mkdir()
     with pytest.raises(ValueError, match="is not a file"):
         config_lib.config_path(str(tmp_path / "dir.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: config_lib.load("mixed_flaot16"), "Did you mean 'mixed_float16'?"),
+        (lambda: config_lib.load("fp23.yaml"), "Did you mean 'fp32'?"),
+        (lambda: config_lib.load("mixed_float16", ["stpes=3"]), "Did you mean 'steps'?"),
+        (lambda: config_lib.from_dict({"batchsize": 3}), "Did you mean 'batch_size'?"),
+    ],
+    ids=["config_name", "config_file_name", "set_key", "file_key"],
+)
+def test_typos_get_a_did_you_mean(call, message):
+    with pytest.raises(ValueError) as excinfo:
+        call()
+    assert str(excinfo.value).endswith(message), str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "name"),
+    [
+        (("precision=bfloat16",), "mixed_float16+precision=bfloat16"),
+        (("precision=p=bf16,c=bf16,o=f32", "fp8=current"),
+         "mixed_float16+precision=p=bf16,c=bf16,o=f32+fp8=current"),
+        (("loss_scale=none",), "mixed_float16+loss_scale=none"),
+        (("master_weights=false", "precision=bf16"),
+         "mixed_float16+precision=bf16+master_weights=false"),
+        # The same policy written another way, tuning numbers, and an explicit name: kept.
+        (("precision=p=f32,c=f16,o=f32",), "mixed_float16"),
+        (("loss_scale_init=1024", "steps=20"), "mixed_float16"),
+        (("precision=bfloat16", "name=bf16_run"), "bf16_run"),
+    ],
+)  # fmt: skip
+def test_a_run_whose_precision_is_overridden_is_named_after_it(overrides, name):
+    """``--set precision=bfloat16`` on the default config trains bfloat16: the run is not
+    named (and stored in ``runs/``) as ``mixed_float16``."""
+    config = config_lib.load("mixed_float16", overrides)
+    assert config.name == name
+    # The name is kept when the run's own config.yaml is loaded again (as --resume does).
+    reloaded = config_lib.from_dict(yaml.safe_load(config_lib.dump(config)))
+    assert reloaded == config
+
+
+def test_cli_run_directory_follows_the_overridden_precision(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_train(config, workdir, **kwargs):
+        seen["config"], seen["workdir"] = config, pathlib.Path(workdir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "train_and_evaluate", fake_train)
+    monkeypatch.setattr(train, "REPO_ROOT", tmp_path)
+    with pytest.raises(SystemExit):
+        train.main(["--set", "precision=bfloat16", "--no-progress"])
+    assert seen["config"].name == "mixed_float16+precision=bfloat16"
+    assert seen["config"].policy == jaxmp.get_policy("bfloat16")
+    assert seen["workdir"] == tmp_path / "runs" / "mixed_float16+precision=bfloat16"
 
 
 # --- The first-step check: gradients must follow the loss scale ------------------------------

@@ -33,6 +33,18 @@ FP8_RECIPES = {
     "block": jaxmp.Float8BlockScaling(),
     "mxfp8": jaxmp.MXFP8BlockScaling(),
 }
+# The keys that say what precision a run trains in; a config's name (``mixed_float16``,
+# ``bf16_stochastic_rounding``) describes them. The loss scale's numbers tune, like the
+# learning rate.
+PRECISION_KEYS = (
+    "precision",
+    "loss_scale",
+    "master_weights",
+    "rounding",
+    "first_moment",
+    "second_moment",
+    "fp8",
+)
 _BOOLS = {"true": True, "yes": True, "on": True, "1": True,
           "false": False, "no": False, "off": False, "0": False}  # fmt: skip
 
@@ -295,8 +307,13 @@ def from_dict(values: Mapping[str, Any]) -> Config:
         raise ValueError(f"a config must be a mapping of keys to values, got {values!r}.")
     for key in values:
         if key not in _FIELD_TYPES:
-            raise ValueError(f"unknown config key `{key}`; valid keys are: {valid_keys()}.")
+            raise _unknown_key(key)
     return Config(**values)
+
+
+def _unknown_key(key: Any) -> ValueError:
+    hint = _did_you_mean(key, _FIELD_TYPES) if isinstance(key, str) else ""
+    return ValueError(f"unknown config key `{key}`; valid keys are: {valid_keys()}.{hint}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -306,7 +323,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep:
         raise ValueError(f"--set expects KEY=VALUE, got {text!r}; valid keys are: {valid_keys()}.")
     if key not in _FIELD_TYPES:
-        raise ValueError(f"unknown config key `{key}`; valid keys are: {valid_keys()}.")
+        raise _unknown_key(key)
     tp = _FIELD_TYPES[key]
     raw = raw.strip()
     if tp is str:
@@ -323,8 +340,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"config key `{key}` must be {tp.__name__}, got {raw!r}.") from None
 
 
-def _valid_names() -> str:
-    return f"valid names are: {', '.join(available())} (or the path of a YAML file)"
+def _valid_names(name: str) -> str:
+    hint = _did_you_mean(pathlib.Path(name).stem, available())
+    return f"valid names are: {', '.join(available())} (or the path of a YAML file).{hint}"
 
 
 def config_path(name_or_path: str) -> pathlib.Path:
@@ -341,11 +359,13 @@ def config_path(name_or_path: str) -> pathlib.Path:
         if path.parent == pathlib.Path(".") and shipped.is_file():
             return shipped
         if path.exists():
-            raise ValueError(f"config file {name_or_path} is not a file; {_valid_names()}.")
-        raise ValueError(f"config file {name_or_path} not found; {_valid_names()}.")
+            raise ValueError(
+                f"config file {name_or_path} is not a file; {_valid_names(name_or_path)}"
+            )
+        raise ValueError(f"config file {name_or_path} not found; {_valid_names(name_or_path)}")
     candidate = CONFIG_DIR / f"{name_or_path}.yaml"
     if not candidate.is_file():
-        raise ValueError(f"unknown config {name_or_path!r}; {_valid_names()}.")
+        raise ValueError(f"unknown config {name_or_path!r}; {_valid_names(name_or_path)}")
     return candidate
 
 
@@ -385,6 +405,12 @@ def read_file(path: pathlib.Path) -> dict[str, Any]:
 def load(name_or_path: str, overrides: Iterable[str] = ()) -> Config:
     """Loads a YAML config by name or path and applies ``key=value`` overrides.
 
+    The run keeps the config's name (its directory is ``runs/<name>``) unless an override
+    changes what precision it trains (a key of `PRECISION_KEYS`; for ``precision``, the
+    policy): ``--set precision=bfloat16`` on ``mixed_float16`` trains bfloat16, so the run
+    is named ``mixed_float16+precision=bfloat16``, not ``mixed_float16``. An explicit
+    ``name=`` override wins.
+
     Raises:
       ValueError: one line naming the file or the ``--set`` key and what is valid.
     """
@@ -392,14 +418,34 @@ def load(name_or_path: str, overrides: Iterable[str] = ()) -> Config:
     values = read_file(path)
     values.setdefault("name", path.stem)
     try:
-        from_dict(values)
+        base = from_dict(values)
     except ValueError as e:
         raise ValueError(f"config file {path}: {e}") from None
-    overrides = list(overrides)
+    changed: dict[str, Any] = {}
     for text in overrides:
         key, value = parse_override(text)
         values[key] = value
-    return from_dict(values)
+        changed[key] = value
+    config = from_dict(values)
+    if "name" in changed:
+        return config
+    renamed = [
+        f"+{key}={_show(getattr(config, key))}"
+        for key in PRECISION_KEYS
+        if key in changed and _trains_differently(base, config, key)
+    ]
+    return dataclasses.replace(config, name=base.name + "".join(renamed)) if renamed else config
+
+
+def _trains_differently(a: Config, b: Config, key: str) -> bool:
+    if key == "precision":
+        return a.policy != b.policy
+    return getattr(a, key) != getattr(b, key)
+
+
+def _show(value: Any) -> str:
+    """A value as written in ``--set`` (``false``, not ``False``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def describe_keys() -> str:
