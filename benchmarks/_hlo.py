@@ -199,3 +199,99 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([fmt(cells[0]), sep] + [fmt(r) for r in cells[1:]])
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 GEMMs in a lowered program (StableHLO text, `jax.jit(f).lower(...).as_text()`).
+
+_SSA = re.compile(r"^\s*(%[\w#:]+)(?::\d+)? = (?:stablehlo\.)?([\w.]+)\b(.*)$")
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
+_FP8_TYPES = ("f8E4M3FN", "f8E5M2")
+
+
+def _tensor_types(signature: str) -> list[tuple[tuple[int, ...], str]]:
+    """``(shape, element type)`` of each tensor type in `signature`, in order."""
+    out = []
+    for dims, dtype in _TENSOR.findall(signature):
+        shape = tuple(int(d) for d in dims.split("x") if d) if dims else ()
+        out.append((shape, dtype))
+    return out
+
+
+def _functions(text: str) -> list[dict[str, tuple[str, list[str], str]]]:
+    """Per function of the module: SSA value -> (op, operand names, the rest of the line)."""
+    functions: list[dict[str, tuple[str, list[str], str]]] = []
+    for line in text.splitlines():
+        if "func.func" in line:
+            functions.append({})
+            continue
+        match = _SSA.match(line)
+        if match and functions:
+            name, op, rest = match.groups()
+            operands = re.findall(r"%[\w#]+", rest.split(" : ")[0])
+            functions[-1][name.split(":")[0]] = (op, operands, rest)
+    return functions
+
+
+def _dequantized_fp8(name: str, values: dict[str, tuple[str, list[str], str]]) -> str | None:
+    """The FP8 type `name` is dequantised from (``convert(fp8) * scale``), or None."""
+    op, operands, _ = values.get(name, ("", [], ""))
+    if op != "multiply":
+        return None
+    for operand in operands:
+        producer, _, rest = values.get(operand, ("", [], ""))
+        types = _tensor_types(rest.split(" : ", 1)[1]) if " : " in rest else []
+        if producer == "convert" and types and types[0][1] in _FP8_TYPES:
+            return types[0][1]
+    return None
+
+
+def fp8_gemms(text: str) -> list[dict[str, Any]]:
+    """The FP8 GEMMs of a lowered program: ``dot_general``s of two dequantised FP8 operands.
+
+    The pattern XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM: each operand is
+    ``convert(fp8 value) * broadcast(scale)`` and the dot's result is in the compute dtype.
+    Each entry: ``operands`` (the two FP8 types), ``result`` (the result's element type),
+    ``contracting_minor`` (the contracted dimensions are the trailing ones of both operands,
+    the batch dimensions the leading ones: cuBLASLt's "TN" layout, no transposition needed).
+    """
+    found = []
+    for values in _functions(text):
+        for op, operands, rest in values.values():
+            if op != "dot_general" or len(operands) < 2:
+                continue
+            formats = [_dequantized_fp8(o, values) for o in operands[:2]]
+            if None in formats:
+                continue
+            types = _tensor_types(rest.split(" : ", 1)[1])
+            (lhs_shape, _), (rhs_shape, _), (_, result) = types[0], types[1], types[-1]
+            contract = re.search(r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", rest)
+            batch = re.search(r"batching_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", rest)
+
+            def dims(m: Any, i: int) -> list[int]:
+                return [int(d) for d in m.group(i).split(",") if d.strip()] if m else []
+
+            def minor(shape: tuple[int, ...], c: list[int], b: list[int]) -> bool:
+                n = len(shape)
+                return c == list(range(n - len(c), n)) and b == list(range(len(b)))
+
+            found.append(
+                {
+                    "operands": tuple(formats),
+                    "result": result,
+                    "contracting_minor": minor(lhs_shape, dims(contract, 1), dims(batch, 1))
+                    and minor(rhs_shape, dims(contract, 2), dims(batch, 2)),
+                }
+            )
+    return found
+
+
+def fp8_transposes(text: str) -> int:
+    """How many ``transpose`` ops of the lowered program take an FP8 tensor."""
+    count = 0
+    for values in _functions(text):
+        for op, _, rest in values.values():
+            types = _tensor_types(rest.split(" : ", 1)[1]) if " : " in rest else []
+            if op == "transpose" and types and types[0][1] in _FP8_TYPES:
+                count += 1
+    return count

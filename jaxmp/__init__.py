@@ -24,7 +24,7 @@ from jaxmp._src.fp8 import (
     Float8State,
     MXFP8BlockScaling,
 )
-from jaxmp._src.fp8_autocast import Float8Autocast
+from jaxmp._src.fp8_autocast import Float8Autocast, Float8Matmul
 from jaxmp._src.grad import filter_value_and_grad, value_and_grad
 from jaxmp._src.inspector import Inspect, LossScaleSuggestion, OpStats, Report, inspect
 from jaxmp._src.kahan_summation import KahanSummationState, kahan_summation
@@ -74,6 +74,7 @@ __all__ = (
     "float32_region",
     "DelayedScaling",
     "Float8Autocast",
+    "Float8Matmul",
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Float8State",

@@ -511,7 +511,7 @@ def _split_fp8_state(variables: Mapping[str, Any]) -> tuple[dict[str, Any], Any]
 
 
 def fp8_apply(
-    apply_fn: Callable[..., Any],
+    apply_fn: Callable[..., Any] | nn.Module,
     policy: policy_lib.Policy | str,
     recipe: Any,
     *,
@@ -526,7 +526,8 @@ def fp8_apply(
     `jaxmp.DelayedScaling`.
 
     Args:
-      apply_fn: ``model.apply``.
+      apply_fn: ``model.apply``, or the module ``model`` itself (``fp8_apply(Model(config),
+        ...)`` in a loss that builds the model there).
       policy: a `jaxmp.Policy` or policy string (``"mixed_bfloat16"``).
       recipe: an FP8 recipe (`jaxmp.Float8CurrentScaling`, `jaxmp.DelayedScaling`,
         `jaxmp.Float8BlockScaling`, `jaxmp.MXFP8BlockScaling`).
@@ -555,7 +556,9 @@ def fp8_apply(
       >>> fp8_state = state.params["_overwrite_with_gradient"]["jaxmp_fp8"]
       >>> fp8_state.names  # (key, module path) of each FP8 matmul
       (('s0', 'Sequential/layers_0'), ('s2', 'Sequential/layers_2'))
-      >>> float(fp8_state.scale["s0"][0])  # E4M3's largest value over the input's amax, 1
-      448.0
+      >>> float(fp8_state.scale["s0"][0])  # the power of two below 448 / amax (amax 1)
+      256.0
     """
+    if isinstance(apply_fn, nn.Module):
+        apply_fn = apply_fn.apply
     return Float8Apply(fp8_autocast(apply_fn, policy, recipe, exclude))

@@ -10,6 +10,7 @@ skipped step does not advance ``step``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -312,8 +313,8 @@ class Float8(nnx.Module):
       ...     loss, grads = jaxmp.nnx.value_and_grad(loss_fn)(optimizer.loss_scale, model)
       ...     optimizer.update(model, grads)
       >>> train_step(model, optimizer)
-      >>> float(model.fp8_state.get_value().scale["s0"][0])  # E4M3's 448 over the input's amax
-      448.0
+      >>> float(model.fp8_state.get_value().scale["s0"][0])  # power of two below 448 / amax 1
+      256.0
     """
 
     __signature__ = _ConstructorSignature()
@@ -375,13 +376,70 @@ class _GraphNodes:
     positions: tuple[int, ...]
 
     def merge(self, others: list[Any], state: Any) -> tuple[Any, Any, Callable[[], Any]]:
-        """The call's ``(args, kwargs)`` rebuilt inside the trace, and a reader of the state."""
+        """The call's ``(args, kwargs)`` rebuilt inside the trace, and a reader of the state.
+
+        The modules rebuilt are named (`_name_modules`), so that the ops of the call carry
+        the modules' attribute paths in their name stacks.
+        """
         nodes = nnx.merge(self.graphdef, state)
+        _name_modules(nodes)
         leaves = list(others)
         for position, node in zip(self.positions, nodes, strict=True):
             leaves.insert(position, node)
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
         return args, kwargs, lambda: nnx.state(nodes)
+
+
+def _name_modules(tree: Any) -> None:
+    """Makes each NNX module in `tree` run its ``__call__`` under a `jax.named_scope`.
+
+    So that the ops of a call name the module path, as Flax Linen's do (the names
+    `jaxmp.inspect` prints and `fp8_exclude` patterns match): `tree` holds the modules merged
+    inside a trace, fresh copies and never the caller's objects. Each copy's class becomes a
+    subclass whose ``__call__`` opens a scope named by the module's attribute path in the
+    enclosing module (the class name for a module passed as an argument): the layers of an
+    ``nnx.Sequential`` are ``"Sequential/0"``, ``"Sequential/1"``... `nnx.split` records the subclass, so the copies
+    `nnx.grad` and `nnx.value_and_grad` make inside the call are named too.
+    """
+    for root in jax.tree.leaves(tree, is_leaf=nnx.graph.is_graph_node):
+        if not nnx.graph.is_graph_node(root):
+            continue
+        modules = {
+            tuple(path): node for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)
+        }
+        for path, node in modules.items():
+            parent = max(
+                (p for p in modules if len(p) < len(path) and path[: len(p)] == p),
+                key=len,
+                default=(),
+            )
+            name = "/".join(str(k) for k in path[len(parent) :]) if path else type(node).__name__
+            if _defines_call(type(node)):
+                node.__class__ = _scoped_class(
+                    getattr(type(node), "_jaxmp_unscoped", type(node)), name
+                )
+
+
+def _defines_call(cls: type) -> bool:
+    return any("__call__" in vars(k) for k in cls.__mro__ if k is not object)
+
+
+@functools.cache
+def _scoped_class(cls: type, name: str) -> type:
+    """`cls` with ``__call__`` under ``jax.named_scope(name)`` (one class per pair)."""
+    unscoped_call = cls.__call__  # type: ignore[operator]
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(name):
+            return unscoped_call(self, *args, **kwargs)
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_jaxmp_unscoped": cls,
+    }
+    return type(cls)(cls.__name__, (cls,), namespace)
 
 
 def _split_graph_nodes(tree: Any) -> tuple[_GraphNodes, list[Any], Any, Callable] | None:

@@ -57,6 +57,55 @@ def primitive_dtypes(jaxpr, names):
     ]
 
 
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _jaxprs(jaxpr):
+    """`jaxpr` and every sub-jaxpr, each open jaxpr once."""
+    if isinstance(jaxpr, compat.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for sub in compat.jaxprs_in_params(eqn.params):
+            yield from _jaxprs(sub)
+
+
+def _dequantized(var, producers):
+    """Whether `var` is ``convert(fp8) * scale``: an FP8 operand as the FP8 GEMM reads it."""
+    eqn = producers.get(var) if not isinstance(var, compat.Literal) else None
+    if eqn is None or eqn.primitive.name != "mul":
+        return False
+    for v in eqn.invars:
+        convert = producers.get(v) if not isinstance(v, compat.Literal) else None
+        if convert is not None and convert.primitive.name == "convert_element_type":
+            if jnp.dtype(convert.invars[0].aval.dtype) in FP8_DTYPES:
+                return True
+    return False
+
+
+def _fp8_operand(var, producers):
+    """An FP8 value (the block recipes' products), or one dequantised (per-tensor recipes)."""
+    return jnp.dtype(var.aval.dtype) in FP8_DTYPES or _dequantized(var, producers)
+
+
+def fp8_dots(jaxpr, primitive="dot_general"):
+    """The matmuls of `jaxpr` whose two operands are FP8 values, anywhere."""
+    found = []
+    for sub in _jaxprs(jaxpr):
+        producers = {v: e for e in sub.eqns for v in e.outvars}
+        found += [
+            e
+            for e in sub.eqns
+            if e.primitive.name == primitive and all(_fp8_operand(v, producers) for v in e.invars)
+        ]
+    return found
+
+
+def plain_dots(jaxpr):
+    fp8 = {id(e) for e in fp8_dots(jaxpr)}
+    return [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general" and id(e) not in fp8]
+
+
 _CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 # Every program is cached, however small or quick to compile.
 _CACHE_MINIMA = {

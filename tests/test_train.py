@@ -32,7 +32,7 @@ from lm import config as config_lib  # noqa: E402
 from lm import data as data_lib  # noqa: E402
 
 import jaxmp  # noqa: E402
-from tests.conftest import all_eqns, environ_without_compilation_cache  # noqa: E402
+from tests.conftest import all_eqns, environ_without_compilation_cache, fp8_dots  # noqa: E402
 
 TINY = (
     "num_layers=1",
@@ -913,31 +913,34 @@ def test_sigint_to_the_command_saves_a_consistent_run(tmp_path):
 
 # --- FP8 (config key `fp8`) ------------------------------------------------------------------
 
-FP8_TYPES = {jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
 
-
-def operand_types(config, vocab_size=64):
-    """The operand dtypes of each forward matmul of `config`'s model (its eval step)."""
+def forward_matmuls(config, vocab_size=64):
+    """``(the FP8 matmuls, the operand dtypes of the others)`` of `config`'s eval step."""
     built = train.programs(config, vocab_size)
     state = jax.eval_shape(built.init, jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
     jaxpr = jax.make_jaxpr(built.eval_step)(state.params, tokens, tokens, state.fp8_state)
-    dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-    return [tuple(jnp.dtype(v.aval.dtype) for v in e.invars) for e in dots]
+    in_fp8 = fp8_dots(jaxpr)
+    fp8_ids = {id(e) for e in in_fp8}
+    others = [
+        tuple(jnp.dtype(v.aval.dtype) for v in e.invars)
+        for e in all_eqns(jaxpr.jaxpr)
+        if e.primitive.name == "dot_general" and id(e) not in fp8_ids
+    ]
+    return in_fp8, others
 
 
 @pytest.mark.parametrize("fp8", list(config_lib.FP8_RECIPES))
 def test_fp8_key_runs_the_linear_layers_in_fp8(fp8):
     config = tiny("mixed_bfloat16", f"fp8={fp8}", "num_layers=2")
-    types = operand_types(config)
-    e4m3, bf16 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)
+    in_fp8, others = forward_matmuls(config)
+    bf16 = jnp.dtype(jnp.bfloat16)
     # Per block: query, key, value, out, fc and proj in FP8; the attention's two products of
     # activations in bfloat16; then the head in bfloat16.
-    assert len(types) == 2 * 8 + 1
-    in_fp8 = sum(t == (e4m3, e4m3) for t in types)
-    assert in_fp8 == (0 if fp8 == "none" else 2 * 6)
+    assert len(in_fp8) + len(others) == 2 * 8 + 1
+    assert len(in_fp8) == (0 if fp8 == "none" else 2 * 6)
     if fp8 != "none":
-        assert sum(t == (bf16, bf16) for t in types) == 2 * 2 + 1
+        assert others.count((bf16, bf16)) == 2 * 2 + 1
     assert ("FP8" in config.describe()) == (fp8 != "none")
 
 

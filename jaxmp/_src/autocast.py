@@ -687,6 +687,7 @@ class Autocast:
         )
         interp = interpret.Interpreter(self._rules(ctx, extra))
         values = interp.eval_jaxpr(closed.jaxpr, closed.consts, [_Value(x, True) for x in dynamic])
+        interp.rules.finish()
         outs = [v.value for v in values]
         n = traced.num_out
         outs = [

@@ -340,23 +340,26 @@ def delayed_update(
     """One step of Transformer Engine's delayed-scaling rule for the three roles.
 
     `history` has shape ``(..., 3, L)``, `scale` and `amax` ``(..., 3)``: the amax just
-    observed is recorded as entry 0, the amax of the window is reduced from the history,
-    the scale recomputed (kept where the amax is zero or not finite, float32's largest value
-    where it would be infinite), and the history rotated by -1 with its first entry zeroed.
+    observed (of the finite values: a non-finite value never enters the history) is recorded
+    as entry 0, the amax of the window is reduced from the history, the scale recomputed as
+    the largest power of two not above ``(fp8_max / amax) / 2**margin`` (kept where the amax
+    is zero), and the history rotated by -1 with its first entry zeroed.
     """
     history = history.at[..., 0].set(amax)
     if recipe.amax_compute == "max":
         window = jnp.max(history, axis=-1)
     else:
         window = history[..., 0]
-    maxima = jnp.asarray(
-        [fp8_max(recipe.fwd_dtype), fp8_max(recipe.fwd_dtype), fp8_max(recipe.bwd_dtype)],
-        jnp.float32,
+    exponents = jnp.stack(
+        [
+            pow2_exponent(window[..., ROLE_LHS], recipe.fwd_dtype),
+            pow2_exponent(window[..., ROLE_RHS], recipe.fwd_dtype),
+            pow2_exponent(window[..., ROLE_GRAD], recipe.bwd_dtype),
+        ],
+        axis=-1,
     )
-    new_scale = (maxima / window) / jnp.float32(2.0**recipe.margin)
-    keep = ~(window > 0) | ~jnp.isfinite(window)
-    new_scale = jnp.where(keep, scale, new_scale)
-    new_scale = jnp.where(jnp.isinf(new_scale), jnp.float32(_F32_MAX), new_scale)
+    exponents = jnp.clip(exponents - recipe.margin, -_F32_EXP, _F32_EXP)
+    new_scale = jnp.where(window > 0, jnp.ldexp(jnp.float32(1.0), exponents), scale)
     history = jnp.roll(history, -1, axis=-1).at[..., 0].set(0.0)
     return history, new_scale
 
@@ -364,19 +367,52 @@ def delayed_update(
 # --------------------------------------------------------------------------------------------
 # Quantisation.
 
+# Scales are kept within float32's normal range, so that a scale and its inverse are both
+# exact (XLA:CPU flushes subnormal float32 values to zero).
+_F32_EXP = 126
+
 
 def amax(x: jax.Array) -> jax.Array:
-    """The largest absolute value of `x` in float32, the same on every device.
+    """The largest absolute finite value of `x` in float32 (0 if none), the same on every device.
 
-    Under ``jax.shard_map`` the local maximum is reduced (``lax.pmax``) over the mesh axes
-    `x` varies along, so that every device takes the same scaling decision; under ``jit``
-    with sharded arrays the reduction is global already.
+    Non-finite values are left out: they stay non-finite through quantisation (`quantize`),
+    and the scale of the others is the one they would have without them. Under
+    ``jax.shard_map`` the local maximum is reduced (``lax.pmax``) over the mesh axes `x`
+    varies along, so that every device takes the same scaling decision; under ``jit`` with
+    sharded arrays the reduction is global already.
     """
-    local = jnp.max(jnp.abs(x.astype(jnp.float32))) if x.size else jnp.zeros((), jnp.float32)
+    if not x.size:
+        return jnp.zeros((), jnp.float32)
+    finite = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.zeros((), x.dtype))
+    local = jnp.max(finite).astype(jnp.float32)
     axes = compat.varying_axes(x)
     if axes:
         local = lax.pmax(local, tuple(sorted(axes)))
     return local
+
+
+@jax.custom_batching.custom_vmap
+def observed_amax(x: jax.Array, history: jax.Array) -> jax.Array:
+    """`amax` of `x`, as recorded in the delayed-scaling `history` it belongs to.
+
+    Under ``jax.vmap`` with one state for every example (`history` not batched), the amax of
+    the whole batch: the state's next value is that of the batched program, one value, not
+    one per example (which the state's gradient would add up). With a state per example,
+    one amax per example.
+    """
+    del history
+    return amax(x)
+
+
+@observed_amax.def_vmap
+def _observed_amax_vmap(
+    axis_size: int, in_batched: Sequence[bool], x: jax.Array, history: jax.Array
+) -> tuple[jax.Array, bool]:
+    del axis_size
+    x_batched, history_batched = in_batched
+    if x_batched and history_batched:
+        return jax.vmap(amax)(x), True
+    return amax(x), False
 
 
 def scale_from_amax(amax_value: jax.Array, dtype: Any) -> jax.Array:
@@ -388,9 +424,16 @@ def scale_from_amax(amax_value: jax.Array, dtype: Any) -> jax.Array:
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``x * scale`` in float32, saturated to the format's range and cast to FP8 (nearest)."""
+    """``x * scale`` in float32, saturated to the format's range and cast to FP8 (nearest).
+
+    Finite values saturate at the format's largest value; infinities and NaNs stay what they
+    are (E4M3 has no infinity: they become NaN), so that an overflow before quantisation is
+    never turned into a finite number.
+    """
     limit = jnp.float32(fp8_max(dtype))
-    return jnp.clip(x.astype(jnp.float32) * scale, -limit, limit).astype(dtype)
+    x = x.astype(jnp.float32)
+    q = jnp.clip(x * scale, -limit, limit)
+    return jnp.where(jnp.isinf(x), x, q).astype(dtype)
 
 
 def _emax(dtype: Any) -> int:
@@ -398,16 +441,31 @@ def _emax(dtype: Any) -> int:
     return int(math.floor(math.log2(fp8_max(dtype))))
 
 
-def mx_exponent(amax_value: jax.Array, dtype: Any) -> jax.Array:
-    """The MX shared exponent ``floor(log2(amax)) - emax_elem``, clamped to E8M0's range.
+def pow2_exponent(amax_value: jax.Array, dtype: Any) -> jax.Array:
+    """The largest ``e`` with ``amax * 2**e <= fp8_max`` (int32, exact); 0 where amax is 0.
 
-    Computed exactly with ``frexp`` (``amax = m * 2**e``, ``m`` in [0.5, 1)); a zero block
-    gets the smallest exponent, -127 (its values are zero whatever the scale).
+    ``frexp`` gives ``amax = m * 2**k`` exactly (``m`` in [0.5, 1)); with ``fp8_max = top *
+    2**emax`` (``top`` in [1, 2)), ``amax * 2**e = 2m * 2**(k - 1 + e)`` is at most
+    ``fp8_max`` for ``e = emax - k + 1`` when ``2m <= top`` and one less otherwise.
     """
-    _, exponent = jnp.frexp(amax_value.astype(jnp.float32))
-    shared = exponent.astype(jnp.int32) - 1 - _emax(dtype)
-    shared = jnp.where(amax_value > 0, shared, -127)
-    return jnp.clip(shared, -127, 127)
+    amax_value = jnp.asarray(amax_value, jnp.float32)
+    emax = _emax(dtype)
+    top = jnp.float32(fp8_max(dtype) / 2.0**emax)
+    mantissa, exponent = jnp.frexp(amax_value)
+    e = emax - exponent.astype(jnp.int32) + 1 - (2 * mantissa > top).astype(jnp.int32)
+    return jnp.where(amax_value > 0, e, 0)
+
+
+def mx_exponent(amax_value: jax.Array, dtype: Any) -> jax.Array:
+    """The MX shared exponent: the smallest ``x`` with ``amax / 2**x <= fp8_max``.
+
+    Rounded up, so that a block's largest value never saturates (Transformer Engine's MXFP8
+    cast, which rounds the E8M0 scale toward +infinity; the OCP specification's example
+    conversion, ``floor(log2(amax)) - emax_elem``, clips block maxima above ``1.75 * 2**k``
+    for E4M3). An all-zero block gets 0 (scale 1, exact). Clamped to [-126, 126], where the
+    scale and its inverse are both normal float32 values, inside E8M0's range.
+    """
+    return jnp.clip(-pow2_exponent(amax_value, dtype), -_F32_EXP, _F32_EXP)
 
 
 def quantize_blocks(
@@ -418,13 +476,15 @@ def quantize_blocks(
     Returns ``(q, scale_inv)``: ``q`` of shape ``(b, f, k // tile, tile)`` (``k`` padded with
     zeros to a multiple of `tile`) and ``scale_inv`` of shape ``(b, f, k // tile)``, float32,
     each row of a block carrying the block's inverse scale. With `power_of_two` the scales
-    are MX scales (`mx_exponent`), stored as E8M0 and returned as float32.
+    are MX scales (`mx_exponent`), stored as E8M0 and returned as float32. A block's scale
+    comes from its finite values; its non-finite values stay non-finite (`quantize`).
     """
     b, f, k = x.shape
     kb, fb = -(-k // tile), -(-f // rows)
     padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, fb * rows - f), (0, kb * tile - k)))
     blocks = padded.reshape(b, fb, rows, kb, tile)
-    block_amax = jnp.max(jnp.abs(blocks), axis=(2, 4))  # (b, fb, kb)
+    finite = jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), jnp.float32(0.0))
+    block_amax = jnp.max(finite, axis=(2, 4))  # (b, fb, kb)
     if power_of_two:
         exponent = mx_exponent(block_amax, dtype)
         scale = jnp.ldexp(jnp.float32(1.0), -exponent)
@@ -441,7 +501,104 @@ def quantize_blocks(
 
 
 # --------------------------------------------------------------------------------------------
-# The FP8 dot_general.
+# Per-tensor scales: powers of two, exact in the dtype the product is computed in.
+
+
+def exponent_range(fp8_dtype: Any, *dequant_dtypes: Any) -> tuple[int, int]:
+    """The per-tensor scale exponents ``e`` (scale ``2**e``) usable with each `dequant_dtypes`.
+
+    The FP8 GEMM dequantises each operand as ``q.astype(dtype) * 2**-e`` (the pattern XLA
+    folds into the GEMM's scale arguments): that is exact when the format's smallest value
+    times ``2**-e`` is at least `dtype`'s smallest value (only values the dtype itself could
+    not hold are given up), and ``2**-e`` is finite there (float16: ``e >= -15``).
+    """
+    tiny_fp8 = math.log2(float(jnp.finfo(fp8_dtype).smallest_subnormal))
+    low, high = -_F32_EXP, _F32_EXP
+    for dtype in dequant_dtypes:
+        finfo = jnp.finfo(dtype)
+        high = min(high, int(tiny_fp8 - math.log2(float(finfo.smallest_subnormal))))
+        low = max(low, -int(math.floor(math.log2(float(finfo.max)))))
+    return low, high
+
+
+def tensor_exponent(x: jax.Array, fp8_dtype: Any, *dequant_dtypes: Any) -> jax.Array:
+    """Current scaling's exponent: the largest power of two not above ``fp8_max / amax(x)``."""
+    low, high = exponent_range(fp8_dtype, *dequant_dtypes)
+    return jnp.clip(pow2_exponent(amax(x), fp8_dtype), low, high)
+
+
+def state_exponent(scale: jax.Array, fp8_dtype: Any, *dequant_dtypes: Any) -> jax.Array:
+    """The exponent of a delayed-scaling scale (rounded down to a power of two), clamped."""
+    low, high = exponent_range(fp8_dtype, *dequant_dtypes)
+    _, exponent = jnp.frexp(jnp.where(scale > 0, scale, jnp.float32(1.0)))
+    return jnp.clip(exponent.astype(jnp.int32) - 1, low, high)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "exponent"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """An operand quantised per tensor, in the layout one product contracts it in.
+
+    Attributes:
+      q: the FP8 values, dimensions ordered (batch, free, contracted).
+      exponent: the scale's exponent (int32 scalar): ``x * 2**exponent`` was quantised.
+    """
+
+    q: jax.Array
+    exponent: jax.Array
+
+
+def quantize_tensor(
+    x: jax.Array,
+    exponent: jax.Array,
+    dtype: Any,
+    contract: Sequence[int],
+    batch: Sequence[int],
+) -> Quantized:
+    """`x` laid out (batch, free, contracted) and quantised with the scale ``2**exponent``.
+
+    The transposition happens before the quantisation, in `x`'s own dtype, so no FP8 tensor
+    is ever transposed: the FP8 GEMM reads both operands with the contracted dimensions
+    minor (cuBLASLt's "TN" layout on Hopper) and XLA fuses the transposition into the
+    quantisation.
+    """
+    free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+    laid_out = jnp.transpose(x, (*batch, *free, *contract))
+    scale = jnp.ldexp(jnp.float32(1.0), exponent)
+    return Quantized(quantize(laid_out, scale, dtype), exponent)
+
+
+def dequantized_dot(
+    a: Quantized, b: Quantized, nbatch: int, ncontract: int, out_dtype: Any
+) -> jax.Array:
+    """The product of two operands from `quantize_tensor`, in `out_dtype`.
+
+    Each operand is dequantised in `out_dtype` (``q.astype(out_dtype) * 2**-exponent``,
+    exact), and one ``dot_general`` contracting their trailing `ncontract` dimensions (their
+    leading `nbatch` are batch dimensions) writes the result in `out_dtype` directly: the
+    pattern XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM whose scale arguments are
+    the two inverse scales and whose output is `out_dtype` (float32 accumulation), with no
+    float32 product written in between.
+    """
+    out_dtype = jnp.dtype(out_dtype)
+
+    def dequantize(x: Quantized) -> jax.Array:
+        inverse = jnp.ldexp(jnp.float32(1.0), -x.exponent).astype(out_dtype)
+        return x.q.astype(out_dtype) * inverse
+
+    batch = tuple(range(nbatch))
+    dims = (
+        (
+            tuple(range(a.q.ndim - ncontract, a.q.ndim)),
+            tuple(range(b.q.ndim - ncontract, b.q.ndim)),
+        ),
+        (batch, batch),
+    )
+    return lax.dot_general(dequantize(a), dequantize(b), dims, preferred_element_type=out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The block recipes' product.
 
 
 @functools.partial(
@@ -449,12 +606,11 @@ def quantize_blocks(
 )
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """How one operand of an FP8 product is quantised.
+    """How one operand of a block-scaled product is quantised.
 
     Attributes:
       dtype: the FP8 format.
-      scale: the per-tensor scale (float32 scalar), or None: computed from the tensor
-        (current scaling), or per block for the block recipes.
+      scale: unused by the block recipes (their scales are per block); kept None.
       weight: whether the operand is a weight (square blocks under `Float8BlockScaling`).
     """
 
@@ -482,11 +638,7 @@ def _block_layout(recipe: Any, op: Operand) -> tuple[int, int, bool]:
     return recipe.tile_size, 1, False
 
 
-def _tensor_scale(x: jax.Array, op: Operand) -> jax.Array:
-    return scale_from_amax(amax(x), op.dtype) if op.scale is None else op.scale
-
-
-def scaled_dot_general(
+def block_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
     dimension_numbers: Any,
@@ -494,23 +646,14 @@ def scaled_dot_general(
     rhs_op: Operand,
     recipe: Any,
 ) -> jax.Array:
-    """The float32 product of `lhs` and `rhs` quantised as `lhs_op` and `rhs_op` say.
+    """The float32 product of `lhs` and `rhs` under a block recipe.
 
-    Per-tensor recipes: one ``dot_general`` of the FP8 operands (float32 accumulation), times
-    the two inverse scales. Block recipes: the contracted dimensions are flattened and cut
-    into blocks, one ``dot_general`` batched over the blocks gives each block's float32
-    partial sum, which is scaled by its two inverse scales and summed.
+    The contracted dimensions are flattened and cut into blocks, one ``dot_general`` batched
+    over the blocks gives each block's float32 partial sum, which is scaled by its two
+    inverse scales and summed (DeepSeek-V3's "promotion to CUDA cores"). On Hopper this is
+    an emulation: one small FP8 GEMM per block, not a block-scaled GEMM kernel.
     """
     (lc, rc), (lb, rb) = dimension_numbers
-    if recipe.per_tensor:
-        sl, sr = _tensor_scale(lhs, lhs_op), _tensor_scale(rhs, rhs_op)
-        out = lax.dot_general(
-            quantize(lhs, sl, lhs_op.dtype),
-            quantize(rhs, sr, rhs_op.dtype),
-            dimension_numbers,
-            preferred_element_type=jnp.float32,
-        )
-        return out * ((1.0 / sl) * (1.0 / sr))
     out_shape = (
         *[lhs.shape[d] for d in lb],
         *[lhs.shape[d] for d in range(lhs.ndim) if d not in lc and d not in lb],
@@ -550,6 +693,10 @@ def _quantize_operand(
     if t == piece:
         return q, scale_inv
     return q.reshape(b, f, kb * (t // piece), piece), jnp.repeat(scale_inv, t // piece, axis=2)
+
+
+# --------------------------------------------------------------------------------------------
+# The products of a dot_general's backward pass.
 
 
 def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
@@ -596,34 +743,97 @@ def transpose_rhs(dimension_numbers: Any, x_ndim: int, y_ndim: int) -> tuple[Any
     return transpose_lhs(swapped, y_ndim, x_ndim, swap_ans=True)
 
 
-def _site_scales(site: Any) -> tuple[Any, Any, Any]:
-    """The (lhs, rhs, gradient) scales of a delayed-scaling `site`; Nones without one."""
+def rhs_gradient_product(
+    dimension_numbers: Any, x_ndim: int, y_ndim: int
+) -> tuple[Any, tuple[int, ...]]:
+    """The product giving the right operand's gradient as ``dot_general(x, g)``.
+
+    ``x`` first: the result's layout is (batch, x's contracted dimensions, y's free
+    dimensions), which is ``y``'s own layout for the usual ``x @ w`` (no transposition of
+    the result). Returns the dimension numbers and the permutation to ``y``'s layout.
+    """
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(y_ndim, y_contract, y_batch)
+    ans_batch, ans_x, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    dims = ((tuple(x_kept), ans_x), (tuple(x_batch), ans_batch))
+    # The result's middle dimensions are x's contracted ones in x's order; each stands for
+    # the y dimension it is contracted with.
+    x_order = np.argsort(np.asarray(x_contract, dtype=np.int64))
+    y_contract_by_x = [int(y_contract[i]) for i in x_order]
+    out_axes = np.argsort(np.asarray([*y_batch, *y_contract_by_x, *y_kept], np.int64))
+    return dims, tuple(int(a) for a in out_axes)
+
+
+# --------------------------------------------------------------------------------------------
+# The FP8 dot_general.
+
+
+def _exponents(
+    site: Any,
+    roles: Sequence[int],
+    formats: Sequence[Any],
+    tensors: Sequence[jax.Array],
+    dtypes: Sequence[Any],
+) -> list[jax.Array]:
+    """The scale exponents of `tensors` (in `roles`, quantised to `formats`) for products
+    dequantised in each of `dtypes`: current scaling's, or the delayed-scaling `site`'s."""
     if site is None:
-        return None, None, None
-    # A zero scale is the state of a matmul that did not run last step: start afresh.
-    scale = jnp.where(site[1] > 0, site[1], jnp.float32(1.0))
-    return scale[ROLE_LHS], scale[ROLE_RHS], scale[ROLE_GRAD]
+        return [tensor_exponent(x, f, *dtypes) for x, f in zip(tensors, formats, strict=True)]
+    return [state_exponent(site[1][r], f, *dtypes) for r, f in zip(roles, formats, strict=True)]
 
 
 def _updated_site(site: Any, amaxes: Any, g: jax.Array, recipe: Any) -> Any:
     """The next ``(amax_history, scale)`` of `site` from this step's amaxes; None without one."""
     if site is None:
         return None
-    observed = jnp.stack([amaxes[0], amaxes[1], amax(g)])
+    observed = jnp.stack([amaxes[0], amaxes[1], observed_amax(g, site[0])])
     return delayed_update(site[0], site[1], observed, recipe)
+
+
+@jax.custom_jvp
+def _first_order_only(x: Any) -> Any:
+    """The identity, which refuses to be differentiated: see `_with_fp8_vjp`."""
+    return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals: Any, tangents: Any) -> Any:
+    del primals, tangents
+    raise NotImplementedError(
+        "an FP8 matmul's backward pass is not differentiable: higher derivatives (jax.hessian, "
+        "a Hessian-vector product, jax.grad of jax.grad) through an FP8 matmul are not "
+        "defined. Keep the matmul out of FP8 (`fp8_exclude`, `jaxmp.float32_region`) or "
+        "compute them without the `fp8` recipe."
+    )
 
 
 def _with_fp8_vjp(
     forward: Callable[..., Any], backward: Callable[..., Any], lhs: Any, rhs: Any, site: Any
 ) -> jax.Array:
-    """``forward(lhs, rhs, site)[0]``, differentiated by `backward` (a `jax.custom_vjp`)."""
+    """``forward(lhs, rhs, site)[0]``, differentiated by `backward` (a `jax.custom_vjp`).
+
+    The forward and backward passes round values to FP8, which has no derivative: their own
+    inputs pass `_first_order_only`, so that differentiating them (a second derivative) is a
+    clear error instead of NaN. A first derivative never differentiates them.
+    """
+
+    def guarded_forward(lhs: Any, rhs: Any, site: Any) -> Any:
+        return forward(*_first_order_only((lhs, rhs, site)))
+
+    def guarded_backward(res: Any, g: jax.Array) -> Any:
+        return backward(*_first_order_only((res, g)))
 
     @jax.custom_vjp
     def run(lhs: jax.Array, rhs: jax.Array, site: Any) -> jax.Array:
-        return forward(lhs, rhs, site)[0]
+        return guarded_forward(lhs, rhs, site)[0]
 
-    run.defvjp(forward, backward)
+    run.defvjp(guarded_forward, guarded_backward)
     return run(lhs, rhs, site)
+
+
+def _dims(dimension_numbers: Any) -> Any:
+    return tuple(tuple(tuple(int(d) for d in ds) for ds in pair) for pair in dimension_numbers)
 
 
 def fp8_dot_general(
@@ -643,49 +853,95 @@ def fp8_dot_general(
     returns the gradients in the operands' dtypes. With `DelayedScaling`, `site` is the
     matmul's ``(amax_history, scale)`` (shapes ``(3, L)`` and ``(3,)``) and its gradient is
     the updated pair (`Float8State`).
+
+    Per-tensor recipes quantise each operand once per product it enters, in the layout that
+    product contracts it in (`quantize_tensor`), and save the FP8 operands of the backward
+    products as residuals (one byte per value instead of the compute dtype's two).
     """
-    dimension_numbers = tuple(
-        tuple(tuple(int(d) for d in ds) for ds in pair) for pair in dimension_numbers
-    )
+    dims = _dims(dimension_numbers)
     out_dtype = jnp.dtype(out_dtype)
-    lw, rw = weights
-    stateful = site is not None
+    if recipe.per_tensor:
+        passes = _per_tensor_passes(dims, recipe, out_dtype, lhs, rhs)
+    else:
+        passes = _block_passes(dims, recipe, out_dtype, weights)
+    return _with_fp8_vjp(*passes, lhs, rhs, site)
+
+
+def _per_tensor_passes(
+    dims: Any, recipe: Any, out_dtype: np.dtype, lhs: Any, rhs: Any
+) -> tuple[Any, Any]:
+    """The forward and backward passes of a per-tensor recipe's FP8 ``dot_general``.
+
+    Every scale is a power of two that stays exact in each dtype the operand is dequantised
+    in: the forward product's `out_dtype` and the backward product's operand dtypes.
+    """
+    (lc, rc), (lb, rb) = dims
+    fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+    lhs_dtype, rhs_dtype = jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype)
+    lhs_ndim, rhs_ndim = lhs.ndim, rhs.ndim
+    dequant = (out_dtype, lhs_dtype, rhs_dtype)
+    dims_l, axes_l = transpose_lhs(dims, lhs_ndim, rhs_ndim)  # d_lhs = dot_general(g, rhs)
+    dims_r, axes_r = rhs_gradient_product(dims, lhs_ndim, rhs_ndim)  # d_rhs = (lhs, g)
 
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
-        sl, sr, _ = _site_scales(site)
-        if recipe.per_tensor and sl is None:
-            sl, sr = (
-                _tensor_scale(lhs, Operand(recipe.fwd_dtype)),
-                _tensor_scale(rhs, Operand(recipe.fwd_dtype)),
-            )
-        lhs_op = Operand(recipe.fwd_dtype, sl, lw)
-        rhs_op = Operand(recipe.fwd_dtype, sr, rw)
-        out = scaled_dot_general(lhs, rhs, dimension_numbers, lhs_op, rhs_op, recipe)
-        amaxes = (amax(lhs), amax(rhs)) if stateful else None
-        return out.astype(out_dtype), (lhs, rhs, lhs_op, rhs_op, amaxes, site)
+        el, er = _exponents(site, (ROLE_LHS, ROLE_RHS), (fwd, fwd), (lhs, rhs), dequant)
+        out = dequantized_dot(
+            quantize_tensor(lhs, el, fwd, lc, lb),
+            quantize_tensor(rhs, er, fwd, rc, rb),
+            len(lb),
+            len(lc),
+            out_dtype,
+        )
+        # The operands as the backward products contract them, saved in FP8.
+        rhs_q = quantize_tensor(rhs, er, fwd, dims_l[0][1], dims_l[1][1])
+        lhs_q = quantize_tensor(lhs, el, fwd, dims_r[0][0], dims_r[1][0])
+        amaxes = None
+        if site is not None:
+            amaxes = (observed_amax(lhs, site[0]), observed_amax(rhs, site[0]))
+        return out, (rhs_q, lhs_q, amaxes, site)
 
     def backward(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
-        lhs, rhs, lhs_op, rhs_op, amaxes, site = res
-        _, _, sg = _site_scales(site)
-        if recipe.per_tensor and sg is None:
-            sg = _tensor_scale(g, Operand(recipe.bwd_dtype))
-        g_op = Operand(recipe.bwd_dtype, sg)
-        dims_l, axes_l = transpose_lhs(dimension_numbers, lhs.ndim, rhs.ndim)
-        d_lhs = scaled_dot_general(g, rhs, dims_l, g_op, rhs_op, recipe)
-        d_lhs = jnp.transpose(d_lhs, axes_l).astype(lhs.dtype)
-        dims_r, axes_r = transpose_rhs(dimension_numbers, lhs.ndim, rhs.ndim)
-        d_rhs = scaled_dot_general(g, lhs, dims_r, g_op, lhs_op, recipe)
-        d_rhs = jnp.transpose(d_rhs, axes_r).astype(rhs.dtype)
+        rhs_q, lhs_q, amaxes, site = res
+        (eg,) = _exponents(site, (ROLE_GRAD,), (bwd,), (g,), (lhs_dtype, rhs_dtype))
+        g_l = quantize_tensor(g, eg, bwd, dims_l[0][0], dims_l[1][0])
+        d_lhs = dequantized_dot(g_l, rhs_q, len(dims_l[1][0]), len(dims_l[0][0]), lhs_dtype)
+        g_r = quantize_tensor(g, eg, bwd, dims_r[0][1], dims_r[1][1])
+        d_rhs = dequantized_dot(lhs_q, g_r, len(dims_r[1][0]), len(dims_r[0][0]), rhs_dtype)
         new_site = _updated_site(site, amaxes, g, recipe)
-        return d_lhs, d_rhs, new_site
+        return jnp.transpose(d_lhs, axes_l), jnp.transpose(d_rhs, axes_r), new_site
 
-    return _with_fp8_vjp(forward, backward, lhs, rhs, site)
+    return forward, backward
+
+
+def _block_passes(
+    dims: Any, recipe: Any, out_dtype: np.dtype, weights: tuple[bool, bool]
+) -> tuple[Any, Any]:
+    """The forward and backward passes of a block recipe's FP8 ``dot_general``."""
+    lhs_op = Operand(recipe.fwd_dtype, None, weights[0])
+    rhs_op = Operand(recipe.fwd_dtype, None, weights[1])
+    g_op = Operand(recipe.bwd_dtype)
+
+    def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
+        out = block_dot_general(lhs, rhs, dims, lhs_op, rhs_op, recipe)
+        return out.astype(out_dtype), (lhs, rhs)
+
+    def backward(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
+        lhs, rhs = res
+        dims_l, axes_l = transpose_lhs(dims, lhs.ndim, rhs.ndim)
+        d_lhs = block_dot_general(g, rhs, dims_l, g_op, rhs_op, recipe)
+        d_lhs = jnp.transpose(d_lhs, axes_l).astype(lhs.dtype)
+        dims_r, axes_r = transpose_rhs(dims, lhs.ndim, rhs.ndim)
+        d_rhs = block_dot_general(g, lhs, dims_r, g_op, lhs_op, recipe)
+        d_rhs = jnp.transpose(d_rhs, axes_r).astype(rhs.dtype)
+        return d_lhs, d_rhs, None
+
+    return forward, backward
 
 
 def fp8_conv(
     lhs: jax.Array,
     rhs: jax.Array,
-    conv: Any,
+    conv: Callable[..., Any],
     recipe: Any,
     out_dtype: Any,
     *,
@@ -693,33 +949,37 @@ def fp8_conv(
 ) -> jax.Array:
     """A convolution in FP8 with a per-tensor recipe, forward and backward.
 
-    `conv(lhs, rhs)` binds the convolution with float32 accumulation. The forward pass runs
-    it on the FP8 operands; the backward pass quantises the gradient and takes the
-    convolution's own transposes (``jax.vjp``) at the dequantised FP8 values, in float32:
-    the same products, without FP8-typed operands.
+    `conv(lhs, rhs, dtype)` binds the convolution with its result in `dtype`. The forward
+    pass runs it on the operands dequantised in `out_dtype` (``q.astype(out_dtype) *
+    2**-exponent``, the pattern of an FP8 convolution), its result in `out_dtype`; the
+    backward pass quantises the gradient and takes the convolution's own transposes
+    (``jax.vjp``) at the dequantised FP8 values, in the operands' dtypes.
     """
     out_dtype = jnp.dtype(out_dtype)
-    stateful = site is not None
+    fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+
+    def dequantized(x: jax.Array, exponent: jax.Array, fmt: Any, dtype: Any) -> jax.Array:
+        q = quantize(x, jnp.ldexp(jnp.float32(1.0), exponent), fmt)
+        return q.astype(dtype) * jnp.ldexp(jnp.float32(1.0), -exponent).astype(dtype)
 
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
-        sl, sr, _ = _site_scales(site)
-        if sl is None:
-            sl = scale_from_amax(amax(lhs), recipe.fwd_dtype)
-            sr = scale_from_amax(amax(rhs), recipe.fwd_dtype)
-        lq, rq = quantize(lhs, sl, recipe.fwd_dtype), quantize(rhs, sr, recipe.fwd_dtype)
-        out = conv(lq, rq) * ((1.0 / sl) * (1.0 / sr))
-        amaxes = (amax(lhs), amax(rhs)) if stateful else None
-        return out.astype(out_dtype), (lhs, rhs, lq, rq, sl, sr, amaxes, site)
+        dtypes = (out_dtype, lhs.dtype, rhs.dtype)
+        el, er = _exponents(site, (ROLE_LHS, ROLE_RHS), (fwd, fwd), (lhs, rhs), dtypes)
+        out = conv(
+            dequantized(lhs, el, fwd, out_dtype), dequantized(rhs, er, fwd, out_dtype), out_dtype
+        )
+        amaxes = None
+        if site is not None:
+            amaxes = (observed_amax(lhs, site[0]), observed_amax(rhs, site[0]))
+        return out, (lhs, rhs, el, er, amaxes, site)
 
     def backward(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
-        lhs, rhs, lq, rq, sl, sr, amaxes, site = res
-        _, _, sg = _site_scales(site)
-        if sg is None:
-            sg = scale_from_amax(amax(g), recipe.bwd_dtype)
-        gd = quantize(g, sg, recipe.bwd_dtype).astype(jnp.float32) / sg
-        ld = lq.astype(jnp.float32) / sl
-        rd = rq.astype(jnp.float32) / sr
-        _, vjp = jax.vjp(conv, ld, rd)
+        lhs, rhs, el, er, amaxes, site = res
+        (eg,) = _exponents(site, (ROLE_GRAD,), (bwd,), (g,), (g.dtype,))
+        gd = dequantized(g, eg, bwd, g.dtype)
+        ld = dequantized(lhs, el, fwd, g.dtype)
+        rd = dequantized(rhs, er, fwd, g.dtype)
+        _, vjp = jax.vjp(lambda a, b: conv(a, b, g.dtype), ld, rd)
         d_lhs, d_rhs = vjp(gd)
         new_site = _updated_site(site, amaxes, g, recipe)
         return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), new_site

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import re
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,10 +67,30 @@ def compile_exclude(exclude: Any) -> tuple[re.Pattern[str], ...]:
     return tuple(compiled)
 
 
-class _Discover:
-    """Marks a call that only finds the FP8 matmuls (`Float8Autocast.fp8_init`)."""
+class Float8Matmul(NamedTuple):
+    """One matmul of a program under FP8 autocast (`Float8Autocast.fp8_matmuls`).
 
-    def __init__(self) -> None:
+    Attributes:
+      name: its name stack, the string `fp8_exclude` patterns must match whole (the
+        ``jax.named_scope`` names around it: in Flax Linen the module path, in Flax NNX the
+        attribute path, ``"TransformerLM/blocks/mlp/fc1"``).
+      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      fp8: whether it runs in FP8.
+      reason: why it does or does not (``"fp8"``, ``"excluded by '.*/head'"``, ...).
+    """
+
+    name: str
+    primitive: str
+    fp8: bool
+    reason: str
+
+
+class _Trace:
+    """Marks a call that only traces the program: to find the stateful FP8 matmuls
+    (`Float8Autocast.fp8_init`) or to list every matmul (`Float8Autocast.fp8_matmuls`)."""
+
+    def __init__(self, listing: bool = False) -> None:
+        self.listing = listing
         self.rules: _Fp8Rules | None = None
 
 
@@ -100,15 +122,23 @@ class _Fp8Rules(autocast_lib._AutocastRules):
         exclude: tuple[re.Pattern[str], ...],
         state: fp8.Float8State | None,
         discover: bool,
+        listing: bool = False,
     ):
         super().__init__(ctx)
         self.recipe = recipe
         self.exclude = exclude
         self.discover = discover
+        self.listing = listing
         # Entries of the state visible here: (amax_history, scale) per key.
         self._view: dict[str, tuple[Any, Any]] = {}
+        self._names: dict[str, str] = {}  # the name stack each entry was made for
         if state is not None:
             self._view = {k: (state.amax_history[k], state.scale[k]) for k in state.amax_history}
+            self._names = dict(state.names)
+        self._visited: set[str] = set()  # the state's entries this program used
+        self._matched: set[int] = set()  # the `exclude` patterns that matched a matmul
+        #: Every matmul, in program order (`Float8Autocast.fp8_matmuls`).
+        self.matmuls: list[Float8Matmul] = []
         # Keys: one component per nesting level, "<sub-jaxpr>_<position>", the position
         # counting only the matmuls and higher-order equations of the jaxpr (so that
         # equations a context adds, such as shard_map's `pvary`, do not move the keys),
@@ -157,8 +187,8 @@ class _Fp8Rules(autocast_lib._AutocastRules):
         if name in FP8_OPS or higher:
             position = f"{frame.prefix}{frame.count}"
             frame.count += 1
-        if name in FP8_OPS and name in self.ctx.low_ops and not region:
-            outs = self._fp8(position, eqn, vals, interp)
+        if name in FP8_OPS:
+            outs = self._matmul(position, eqn, vals, interp, region)
             if outs is not None:
                 return outs
         if not higher:
@@ -189,18 +219,19 @@ class _Fp8Rules(autocast_lib._AutocastRules):
             for out in outs:
                 self._weights[id(out.value)] = out.value  # kept alive: ids stay unique
 
-    def _fp8(self, position: str, eqn: Any, vals: list[Any], interp: Any) -> list[Any] | None:
+    def _matmul(
+        self, position: str, eqn: Any, vals: list[Any], interp: Any, region: bool
+    ) -> list[Any] | None:
+        """The outputs of a matmul run in FP8, or None (it follows the policy)."""
         name = eqn.primitive.name
-        lhs, rhs = vals[0], vals[1]
-        if len(vals) != 2 or not all(autocast_lib._is_float(v.value) for v in (lhs, rhs)):
-            return None
-        if name == "conv_general_dilated" and not self.recipe.per_tensor:
-            return None  # block scaling of a convolution's window: not sensible here
         location = interp.location(eqn)
         where = "/".join(part for kind, part in location.name_stack if kind == "scope")
-        if any(p.fullmatch(where) for p in self.exclude):
+        reason = self._reason(eqn, vals, region, where)
+        self.matmuls.append(Float8Matmul(where, name, reason == "fp8", reason))
+        if reason != "fp8":
             return None
         dtype = self.ctx.compute_dtype
+        lhs, rhs = vals[0], vals[1]
         x = autocast_lib._cast(lhs.value, dtype)
         w = autocast_lib._cast(rhs.value, dtype)
         site = self._site(position, where)
@@ -215,13 +246,44 @@ class _Fp8Rules(autocast_lib._AutocastRules):
                 site=site,
             )
         else:
-            params = {**eqn.params, "preferred_element_type": jnp.dtype(jnp.float32)}
 
-            def conv(a: Any, b: Any) -> Any:
+            def conv(a: Any, b: Any, out: Any) -> Any:
+                params = {**eqn.params, "preferred_element_type": jnp.dtype(out)}
                 return compat.bind(eqn, [a, b], params)[0]
 
             out = fp8.fp8_conv(x, w, conv, self.recipe, dtype, site=site)
         return [autocast_lib._Value(out, False)]
+
+    def _reason(self, eqn: Any, vals: list[Any], region: bool, where: str) -> str:
+        """Why a matmul runs in FP8 ("fp8") or does not."""
+        if region:
+            return "in jaxmp.float32_region"
+        if eqn.primitive.name not in self.ctx.low_ops:
+            return "not in low_precision_ops"
+        if len(vals) != 2 or not all(autocast_lib._is_float(v.value) for v in vals):
+            return "operands not floating"
+        if eqn.primitive.name == "conv_general_dilated" and not self.recipe.per_tensor:
+            return "a convolution: block scaling applies to matmuls only"
+        matched = [i for i, p in enumerate(self.exclude) if p.fullmatch(where)]
+        self._matched.update(matched)
+        if matched:
+            return f"excluded by {self.exclude[matched[0]].pattern!r}"
+        return "fp8"
+
+    def finish(self) -> None:
+        if self.listing:
+            return
+        unmatched = [p.pattern for i, p in enumerate(self.exclude) if i not in self._matched]
+        if unmatched:
+            raise ValueError(_unmatched_message(unmatched, [m.name for m in self.matmuls]))
+        unused = sorted(set(self._view) - self._visited)
+        if unused and not self.discover:
+            raise ValueError(
+                f"the FP8 state has entries for matmuls this program does not have: {unused} "
+                f"({', '.join(repr(self._names.get(k, '')) for k in unused)}); it was made for "
+                "another program: create the state with `fp8_init` for this function and "
+                "these argument shapes."
+            )
 
     def _site(self, position: str, where: str) -> tuple[Any, Any] | None:
         """The delayed-scaling state of the matmul at `position`, or None (stateless)."""
@@ -238,6 +300,15 @@ class _Fp8Rules(autocast_lib._AutocastRules):
                 "create the state with `fp8_init` for this function and these argument "
                 "shapes (the program differs from the one it was made for)."
             )
+        made_for = self._names.get(key, where)
+        if made_for != where:
+            raise ValueError(
+                f"the FP8 state's entry {key!r} was made for the matmul at {made_for!r}, but "
+                f"this program has the matmul at {where!r} there: the state was made for "
+                "another program. Create it with `fp8_init` for this function and these "
+                "argument shapes."
+            )
+        self._visited.add(key)
         history, scale = self._view[key]
         if tuple(history.shape) != (fp8.NUM_ROLES, length):
             raise ValueError(
@@ -246,6 +317,27 @@ class _Fp8Rules(autocast_lib._AutocastRules):
                 f"(history_len={length}); create the state with `fp8_init` of this recipe."
             )
         return history, scale
+
+
+def _unmatched_message(patterns: list[str], names: list[str]) -> str:
+    """The error for `fp8_exclude` patterns that match no matmul: the names there are."""
+    listed = ", ".join(repr(n) for n in dict.fromkeys(names)) or "none"
+    hints = []
+    for pattern in patterns:
+        tails = [n for n in names if n.endswith("/" + pattern)]
+        if tails:
+            hints.append(f"{'.*/' + pattern!r} matches {tails[0]!r}")
+            continue
+        close = difflib.get_close_matches(pattern, list(dict.fromkeys(names)), n=1)
+        if close:
+            hints.append(f"did you mean {close[0]!r}?")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    quoted = ", ".join(repr(p) for p in patterns)
+    return (
+        f"`fp8_exclude` pattern {quoted} matches no matmul of this program: a pattern must "
+        f"match a matmul's whole name stack{hint}. The matmuls are named: {listed} "
+        "(`fp8_matmuls(*args)` lists them)."
+    )
 
 
 def _split_abstract(
@@ -257,6 +349,53 @@ def _split_abstract(
     static = tuple((i, x) for i, x in enumerate(leaves) if not abstract[i])
     dynamic = [x for i, x in enumerate(leaves) if abstract[i]]
     return interpret.ArgSpec(treedef, static, len(leaves)), dynamic
+
+
+# A delayed-scaling state's next value comes back as its gradient, and JAX adds up the
+# gradients of a value used twice: `_used_once` makes a second use within one
+# differentiation an error. The state's first leaf is then a tracer of that
+# differentiation, the same object at each use (held weakly here).
+_DIFFERENTIATED_USES: dict[int, Any] = {}
+
+_USED_TWICE = (
+    "this delayed-scaling FP8 state is used twice in one differentiated call: its next "
+    "value comes back as its gradient, and the gradients of two uses would add up (twice "
+    "the amaxes and scales). Run the model once per step on all the inputs (concatenate "
+    "them, or `jax.vmap` over them: under vmap the state records the amax of the whole "
+    "batch), or give each call its own state."
+)
+
+
+def _used_once(state: fp8.Float8State) -> fp8.Float8State:
+    """`state`, whose first entry refuses a second use within one differentiation.
+
+    The check runs only where the state is differentiated: JAX calls the JVP rule of
+    `mark` only for an argument with a tangent.
+    """
+    leaves, treedef = jax.tree.flatten(state)
+    if not leaves:
+        return state
+    leaf = leaves[0]
+
+    @jax.custom_jvp
+    def mark(x: jax.Array) -> jax.Array:
+        return x
+
+    @mark.defjvp
+    def mark_jvp(primals: Any, tangents: Any) -> Any:
+        seen = _DIFFERENTIATED_USES.get(id(leaf))
+        if seen is not None and seen() is leaf:
+            raise ValueError(_USED_TWICE)
+        key = id(leaf)
+
+        def forget(ref: Any) -> None:
+            if _DIFFERENTIATED_USES.get(key) is ref:
+                del _DIFFERENTIATED_USES[key]
+
+        _DIFFERENTIATED_USES[key] = weakref.ref(leaf, forget)
+        return primals[0], tangents[0]
+
+    return jax.tree.unflatten(treedef, [mark(leaf), *leaves[1:]])
 
 
 class Float8Autocast(autocast_lib.Autocast):
@@ -284,8 +423,10 @@ class Float8Autocast(autocast_lib.Autocast):
         self.fp8_exclude = exclude
 
     def _rules(self, ctx: Any, extra: Any) -> interpret.Rules:
-        if isinstance(extra, _Discover):
-            extra.rules = _Fp8Rules(ctx, self.fp8, self.fp8_exclude, None, discover=True)
+        if isinstance(extra, _Trace):
+            extra.rules = _Fp8Rules(
+                ctx, self.fp8, self.fp8_exclude, None, discover=True, listing=extra.listing
+            )
             return extra.rules
         return _Fp8Rules(ctx, self.fp8, self.fp8_exclude, extra, discover=False)
 
@@ -320,9 +461,21 @@ class Float8Autocast(autocast_lib.Autocast):
 
         @functools.wraps(self._fun)
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._call_with(state, args, kwargs)
+            return self._call_with(_used_once(state), args, kwargs)
 
         return call
+
+    def _trace(self, marker: _Trace, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Fp8Rules:
+        """Traces a call with arguments shaped like these (nothing is computed)."""
+        graph = interpret.split_graph_nodes((args, kwargs))
+        if graph is not None:
+            nodes, others, nnx_state, _ = graph
+            args, kwargs = (nodes, others, nnx_state), {}
+        spec, dynamic = _split_abstract(args, kwargs)
+        jax.eval_shape(functools.partial(self._run, graph is not None, spec, marker), *dynamic)
+        if marker.rules is None:  # pragma: no cover - `_run` always makes the rules
+            raise RuntimeError("the FP8 rules were not made.")
+        return marker.rules
 
     def fp8_init(self, *args: Any, **kwargs: Any) -> fp8.Float8State:
         """The initial `jaxmp.Float8State` for calls with arguments shaped like these.
@@ -336,21 +489,41 @@ class Float8Autocast(autocast_lib.Autocast):
 
         Returns:
           The state.
+
+        Raises:
+          ValueError: if an `fp8_exclude` pattern matches no matmul of the program.
         """
-        marker = _Discover()
-        graph = interpret.split_graph_nodes((args, kwargs))
-        if graph is not None:
-            nodes, others, nnx_state, _ = graph
-            args, kwargs = (nodes, others, nnx_state), {}
-        spec, dynamic = _split_abstract(args, kwargs)
-        jax.eval_shape(functools.partial(self._run, graph is not None, spec, marker), *dynamic)
-        sites = marker.rules.sites if marker.rules is not None else []
+        sites = self._trace(_Trace(), args, kwargs).sites
         history, scale = {}, {}
         for key, lengths, _ in sites:
             history[key], scale[key] = fp8.initial_site_state(lengths, self.fp8.history_len)
         return fp8.Float8State(
             amax_history=history, scale=scale, names=tuple((k, w) for k, _, w in sites)
         )
+
+    def fp8_matmuls(self, *args: Any, **kwargs: Any) -> tuple[Float8Matmul, ...]:
+        """Every matmul of the program for arguments shaped like these, in program order.
+
+        Each with the name `fp8_exclude` patterns match, and whether and why it runs in FP8:
+        the way to aim `fp8_exclude`. Traces the function; nothing is computed.
+
+        Args:
+          *args: arguments as for the wrapped function (arrays or `jax.ShapeDtypeStruct`).
+          **kwargs: keyword arguments as for the wrapped function.
+
+        Returns:
+          A tuple of `jaxmp.Float8Matmul`.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, jaxmp
+          >>> def model(w, x):
+          ...   with jax.named_scope("head"):
+          ...     return jnp.tanh(x @ w) @ w
+          >>> f = jaxmp.autocast(model, "mixed_bfloat16", fp8=jaxmp.Float8CurrentScaling())
+          >>> [(m.name, m.fp8) for m in f.fp8_matmuls(jnp.ones((4, 4)), jnp.ones((2, 4)))]
+          [('head', True), ('head', True)]
+        """
+        return tuple(self._trace(_Trace(listing=True), args, kwargs).matmuls)
 
     def __repr__(self) -> str:
         name = getattr(self._fun, "__name__", repr(self._fun))

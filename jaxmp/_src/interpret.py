@@ -144,6 +144,9 @@ class Rules:
         del inputs
         return contextlib.nullcontext()
 
+    def finish(self) -> None:
+        """Called once the whole program is evaluated: checks that need all of it."""
+
 
 # --------------------------------------------------------------------------------------------
 # Helpers.

@@ -86,9 +86,14 @@ def main() -> None:
         bool(np.array_equal(a, b))
         for a, b in zip(jax.tree.leaves(state_1), jax.tree.leaves(state_n), strict=True)
     )
-    g = jaxmp.autocast(mlp, "mixed_bfloat16", fp8=jaxmp.Float8CurrentScaling())
-    out_1 = jax.jit(g)(params, x)
-    out_n = jax.jit(g)(params, sharded_x)
+    # Current scaling computed in float32 (the products' dtype), so that XLA has no
+    # half-precision rounding it may skip in one program and not the other: equal outputs
+    # mean equal scales. The rows are scaled by 1.5**device, so that a scale from each
+    # device's own amax would differ from the global one by more than a power of two.
+    g = jaxmp.autocast(mlp, "float32", fp8=jaxmp.Float8CurrentScaling())
+    rows = jnp.asarray(np.repeat(1.5 ** np.arange(n), 8)[:, None], jnp.float32)
+    out_1 = jax.jit(g)(params, x * rows)
+    out_n = jax.jit(g)(params, jax.device_put(x * rows, NamedSharding(mesh, P("data"))))
     print(
         json.dumps(
             {
