@@ -427,7 +427,7 @@ HALF_PARAM_POLICIES = {
 
 def half_param_batch(dtype):
     """Multiples of 1/4 up to 2.75: exact in both half dtypes, their squares too, but the
-    mean of the squares (7.707...) is not: rounded to bfloat16 it is 7.71875."""
+    mean of the squares (2.7728...) is not: rounded to bfloat16 it is 2.765625."""
     x = ((np.arange(32 * 16) % 23 - 11) / 4).astype(np.float32).reshape(32, 16)
     return jnp.asarray(x, dtype)
 
