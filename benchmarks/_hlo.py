@@ -247,10 +247,11 @@ def _dequantized_fp8(name: str, values: dict[str, tuple[str, list[str], str]]) -
 
 
 def fp8_gemms(text: str) -> list[dict[str, Any]]:
-    """The FP8 GEMMs of a lowered program: ``dot_general``s of two dequantised FP8 operands.
+    """The FP8 GEMMs of a lowered program: ``dot_general``s of two FP8 operands.
 
-    The pattern XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM: each operand is
-    ``convert(fp8 value) * broadcast(scale)`` and the dot's result is in the compute dtype.
+    An operand is FP8-typed, or dequantised from FP8 (``convert(fp8 value) *
+    broadcast(scale)``: the pattern XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM with
+    the scales as its arguments and the dot's result type as its output).
     Each entry: ``operands`` (the two FP8 types), ``result`` (the result's element type),
     ``contracting_minor`` (the contracted dimensions are the trailing ones of both operands,
     the batch dimensions the leading ones: cuBLASLt's "TN" layout, no transposition needed).
@@ -260,10 +261,13 @@ def fp8_gemms(text: str) -> list[dict[str, Any]]:
         for op, operands, rest in values.values():
             if op != "dot_general" or len(operands) < 2:
                 continue
-            formats = [_dequantized_fp8(o, values) for o in operands[:2]]
+            types = _tensor_types(rest.split(" : ", 1)[1])
+            formats = [
+                t[1] if t[1] in _FP8_TYPES else _dequantized_fp8(o, values)
+                for o, t in zip(operands[:2], types[:2], strict=True)
+            ]
             if None in formats:
                 continue
-            types = _tensor_types(rest.split(" : ", 1)[1])
             (lhs_shape, _), (rhs_shape, _), (_, result) = types[0], types[1], types[-1]
             contract = re.search(r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", rest)
             batch = re.search(r"batching_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", rest)

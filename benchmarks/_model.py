@@ -65,6 +65,12 @@ CONFIGS = {
         vocab_size=256, seq_len=512, d_model=512, num_heads=8, num_layers=24, batch_size=32
     ),
     "tiny_deep": Config(seq_len=32, d_model=32, num_heads=2, num_layers=4, batch_size=2),
+    # Hidden size 4096 and 8,192 tokens per step: GEMMs large enough for FP8 to pay
+    # (`gpu_benchmark.py`'s h4096 rows); "tiny_wide" is its CPU smoke test.
+    "gpu_4096": Config(
+        vocab_size=256, seq_len=1024, d_model=4096, num_heads=32, num_layers=2, batch_size=8
+    ),
+    "tiny_wide": Config(seq_len=32, d_model=64, num_heads=2, num_layers=1, batch_size=2),
 }
 
 

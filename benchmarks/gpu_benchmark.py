@@ -14,8 +14,13 @@ leaves (`compile_cost.py`'s programs: plain `optax.adam`, `jaxmp.loss_scaling(ad
 lower + compile time to the first row run of their group. The FP8 rows run mixed_bfloat16 with
 the linear layers' matmuls in FP8 (`jaxmp.autocast` with a recipe: current, delayed and block
 scaling; the head and attention's products of activations stay in bfloat16, as in
-examples/train.py's ``fp8`` key); a line after the table gives their tokens/s over the
-mixed_bfloat16 row's (the target on a Hopper GPU is 1.3x or more). The low-memory row trains
+examples/train.py's ``fp8`` key), on the "gpu" model and on a model with hidden size 4096 and
+8,192 tokens per step (the h4096 rows, where the GEMMs are large enough for FP8 to pay); a line
+after the table gives their tokens/s over their model's mixed_bfloat16 row (the targets on a
+Hopper GPU: 1.1x at hidden 1024, 1.3x at 4096). Each train-step row counts its FP8 GEMMs: the
+FP8 GEMM patterns of the lowered program (`_hlo.fp8_gemms`) and the cuBLASLt FP8 GEMM calls
+XLA compiled from them (0 on a CPU). The GEMM rows time one (32768x4096) @ (4096x16384) product
+alone, forward, bfloat16 against each recipe (the target: 1.6x for FP8). The low-memory row trains
 bfloat16 params without a master copy, with stochastic rounding and bfloat16 Adam moments
 (docs/guides/low_memory.md); a line after the table gives its argument bytes (params,
 optimizer state, batch) and tokens/s against the mixed_bfloat16 row's.
@@ -60,6 +65,9 @@ ROWS = [
     ("mixed_bfloat16 + FP8 delayed, jaxmp", "fp8", "delayed", "gpu"),
     ("mixed_bfloat16 + FP8 block, jaxmp", "fp8", "block", "gpu"),
     ("low memory: bfloat16 params + moments, stochastic rounding", "lowmem", "bf16", "gpu"),
+    ("h4096: mixed_bfloat16, jaxmp", "jaxmp", "mixed_bfloat16", "gpu_4096"),
+    ("h4096: mixed_bfloat16 + FP8 current, jaxmp", "fp8", "current", "gpu_4096"),
+    ("h4096: mixed_bfloat16 + FP8 delayed, jaxmp", "fp8", "delayed", "gpu_4096"),
     ("float32, jaxmp", "jaxmp", "float32", "gpu"),
     ("mixed_float16, hand-written", "manual", "mixed_float16", "gpu"),
     ("deep: float32, optax.adam", "optax", "float32", "gpu_deep"),
@@ -71,7 +79,27 @@ COMPILE_ROWS = [
     ("update: jaxmp.loss_scaling(adam)", "jaxmp.loss_scaling(adam)"),
     ("update: mixed_precision p=f16", "jaxmp.mixed_precision(adam, 'p=f16,c=f16')"),
 ]
+# One GEMM alone, forward, bfloat16 against each recipe: (label, recipe name or None).
+GEMM_ROWS = [
+    ("GEMM: bfloat16", None),
+    ("GEMM: FP8 current", "current"),
+    ("GEMM: FP8 delayed", "delayed"),
+    ("GEMM: FP8 block", "block"),
+]
+GEMM_SHAPE = (32768, 4096, 16384)  # (m, k, n): (m, k) @ (k, n)
+TINY_GEMM_SHAPE = (64, 32, 48)
 BF16_ROW = "mixed_bfloat16, jaxmp"
+# The bfloat16 row each FP8 row is compared with: its model's.
+BF16_ROWS = {"gpu": BF16_ROW, "gpu_4096": "h4096: mixed_bfloat16, jaxmp"}
+FP8_CALL = 'custom_call_target="__cublas$lt$matmul$f8"'
+
+
+def fp8_calls(lowered: Any, compiled: Any) -> tuple[int, int]:
+    """``(FP8 GEMM patterns in the lowered program, cuBLASLt FP8 GEMM calls compiled)``: the
+    second is 0 where XLA has no FP8 GEMM (a CPU, a GPU before Ada)."""
+    return len(_hlo.fp8_gemms(lowered.as_text())), compiled.as_text().count(FP8_CALL)
+
+
 MIN_TIMED_STEPS = 3
 # The FP8 rows' recipes (the "precision" of an "fp8" row) and the matmuls kept in bfloat16:
 # the head (the model's only top-level Dense) and the attention einsums, named by equation.
@@ -182,6 +210,8 @@ def describe(result: dict[str, Any] | None) -> str:
         return result["error"]
     if "step_s" not in result:
         return f"compile {result['compile_s']:.1f} s"
+    if "tflops" in result:
+        return f"{result['step_s'] * 1e3:.3f} ms, {result['tflops']:.0f} TFLOP/s"
     return (
         f"compile {result['compile_s']:.1f} s, {result['step_s'] * 1e3:.1f} ms/step "
         f"({result['steps']} steps), temp {result['temp'] / 1e9:.2f} GB, loss {result['loss']:.3f}"
@@ -197,8 +227,10 @@ def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, A
         init, step = _model.make_step(approach, precision, config)
     carry = init(0)
     t0 = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=0).lower(carry, tokens).compile()
+    lowered = jax.jit(step, donate_argnums=0).lower(carry, tokens)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
+    patterns, calls = fp8_calls(lowered, compiled)
     flops = _hlo.flops(compiled)
     memory = compiled.memory_analysis()
     temp = memory.temp_size_in_bytes
@@ -222,6 +254,35 @@ def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, A
         arguments=arguments,
         compile_s=compile_s,
         loss=float(loss),
+        fp8_patterns=patterns,
+        fp8_calls=calls,
+    )
+
+
+def gemm_row(recipe_name: str | None, shape: tuple[int, int, int], repeats: int) -> dict[str, Any]:
+    """One ``(m, k) @ (k, n)`` forward product in bfloat16 out of bfloat16 operands: plain, or
+    under `jaxmp.autocast` with an FP8 recipe (delayed scaling with a state from one call)."""
+    m, k, n = shape
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (k, n)) / k**0.5).astype(jnp.bfloat16)
+    if recipe_name is None:
+        fn = jnp.matmul
+    else:
+        f = jaxmp.autocast(jnp.matmul, "p=bf16,c=bf16,o=bf16", fp8=FP8_RECIPES[recipe_name])
+        fn = f.with_fp8_state(f.fp8_init(x, w)) if f.fp8.stateful else f
+    t0 = time.perf_counter()
+    lowered = jax.jit(fn).lower(x, w)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    patterns, calls = fp8_calls(lowered, compiled)
+    jax.block_until_ready(compiled(x, w))  # warm-up
+    step_s = _hlo.median_time(lambda: jax.block_until_ready(compiled(x, w)), repeats)
+    return dict(
+        compile_s=compile_s,
+        step_s=step_s,
+        tflops=2 * m * k * n / step_s / 1e12,
+        fp8_patterns=patterns,
+        fp8_calls=calls,
     )
 
 
@@ -265,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = {
         "gpu": _model.CONFIGS["tiny" if args.tiny else "gpu"],
         "gpu_deep": _model.CONFIGS["tiny_deep" if args.tiny else "gpu_deep"],
+        "gpu_4096": _model.CONFIGS["tiny_wide" if args.tiny else "gpu_4096"],
     }
     compile_leaves = 20 if args.tiny else args.compile_leaves
     steps = 3 if args.tiny else args.steps
@@ -279,15 +341,23 @@ def main(argv: list[str] | None = None) -> None:
     rows_to_run = [r for r in ROWS if not args.tiny or r[2] != "float32" or r[1] == "optax"]
     rows_to_run = [r for r in rows_to_run if not args.tiny or r[1] != "manual"]
     compile_rows = COMPILE_ROWS
+    gemm_rows = GEMM_ROWS
     if args.only:
         rows_to_run = [r for r in rows_to_run if any(text in r[0] for text in args.only)]
         compile_rows = [r for r in compile_rows if any(text in r[0] for text in args.only)]
-        if not rows_to_run and not compile_rows:
+        gemm_rows = [r for r in gemm_rows if any(text in r[0] for text in args.only)]
+        if not rows_to_run and not compile_rows and not gemm_rows:
             parser.error(
                 f"--only {args.only}: no row's label contains it; the rows: "
-                + "; ".join(r[0] for r in [*ROWS, *COMPILE_ROWS])
+                + "; ".join(r[0] for r in [*GEMM_ROWS, *ROWS, *COMPILE_ROWS])
             )
     results: dict[str, Any] = {}
+    # The GEMM rows first: seconds each, and the measure FP8's speed rests on.
+    gemm_shape = TINY_GEMM_SHAPE if args.tiny else GEMM_SHAPE
+    for label, recipe_name in gemm_rows:
+        results[label] = attempt(
+            start, label, "compiling and timing", gemm_row, recipe_name, gemm_shape, steps
+        )
     extra = len(compile_rows) + (0 if args.no_update_table else 1)
     for i, (label, approach, precision, config_name) in enumerate(rows_to_run):
         # Leave each remaining row an equal share of the budget (compile included).
@@ -318,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         ref = results.get(refs[config_name])
         r = results[label]
         if r is None or "error" in r:
-            rows.append([label, describe(r)] + [""] * 7)
+            rows.append([label, describe(r)] + [""] * 8)
             continue
         ok = ref is not None and "error" not in ref
         tps = config.batch_size * config.seq_len / r["step_s"]
@@ -337,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['compile_s']:.0f}",
                 f"{compile_ratio:.2f}",
                 f"{r['loss']:.3f}",
+                f"{r['fp8_patterns']} / {r['fp8_calls']}",
             ]
         )
     if compile_rows:
@@ -345,13 +416,13 @@ def main(argv: list[str] | None = None) -> None:
     for label, _ in compile_rows:
         r = results[label]
         if r is None or "error" in r:
-            rows.append([label, describe(r)] + [""] * 7)
+            rows.append([label, describe(r)] + [""] * 8)
             continue
         ok = ref is not None and "error" not in ref
         ratio = r["compile_s"] / ref["compile_s"] if ok else float("nan")
         blank = ["", "", "", "", ""]
         rows.append([f"{label} ({compile_leaves} leaves)", *blank, f"{r['compile_s']:.1f}"])
-        rows[-1] += [f"{ratio:.2f}", ""]
+        rows[-1] += [f"{ratio:.2f}", "", ""]
     print(
         f"\nTrain step: tokens/s, MFU against {args.peak_tflops:g} TFLOP/s (FLOPs from the "
         "compiled step's cost analysis), compile = lower + compile seconds; ratios (vs ref) to "
@@ -367,24 +438,51 @@ def main(argv: list[str] | None = None) -> None:
         "compile s",
         "compile vs ref",
         "loss",
+        "FP8 GEMMs (lowered / cuBLASLt)",
     ]
     print(_hlo.table(header, rows))
-    bf16 = results.get(BF16_ROW)
-    for label, approach, _, _ in rows_to_run:
+    for label, approach, _, config_name in rows_to_run:
         r = results[label]
         if approach not in ("fp8", "lowmem") or r is None or "error" in r:
             continue
+        bf16_row = BF16_ROWS.get(config_name, BF16_ROW)
+        bf16 = results.get(bf16_row)
         if bf16 is None or "error" in bf16:
-            print(f"{label}: no {BF16_ROW} row to compare with")
+            print(f"{label}: no {bf16_row} row to compare with")
         elif approach == "fp8":
-            print(f"{label}: {bf16['step_s'] / r['step_s']:.2f}x the tokens/s of {BF16_ROW}")
+            print(f"{label}: {bf16['step_s'] / r['step_s']:.2f}x the tokens/s of {bf16_row}")
         else:
             print(
                 f"{label}: params + optimizer state + batch {r['arguments'] / 1e9:.3f} GB, "
-                f"{r['arguments'] / bf16['arguments']:.2f}x {BF16_ROW}'s "
+                f"{r['arguments'] / bf16['arguments']:.2f}x {bf16_row}'s "
                 f"({bf16['arguments'] / 1e9:.3f} GB); {bf16['step_s'] / r['step_s']:.2f}x its "
                 "tokens/s"
             )
+
+    if gemm_rows:
+        gemm_table = []
+        ref = results.get(gemm_rows[0][0])
+        for label, _ in gemm_rows:
+            r = results[label]
+            if r is None or "error" in r:
+                gemm_table.append([label, describe(r), "", "", "", ""])
+                continue
+            ok = ref is not None and "error" not in ref
+            speedup = ref["step_s"] / r["step_s"] if ok else float("nan")
+            gemm_table.append(
+                [
+                    label,
+                    f"{r['step_s'] * 1e3:.3f}",
+                    f"{r['tflops']:.0f}",
+                    f"{speedup:.2f}",
+                    f"{r['fp8_patterns']} / {r['fp8_calls']}",
+                    f"{r['compile_s']:.1f}",
+                ]
+            )
+        m, k, n = gemm_shape
+        print(f"\nOne GEMM, ({m}x{k}) @ ({k}x{n}), forward, bfloat16 out; vs {gemm_rows[0][0]}:\n")
+        gemm_header = ["GEMM", "ms", "TFLOP/s", "vs ref", "FP8 GEMMs (lowered / cuBLASLt)"]
+        print(_hlo.table([*gemm_header, "compile s"], gemm_table))
 
     if not args.no_update_table:
         remaining = deadline - time.perf_counter()

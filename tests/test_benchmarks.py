@@ -47,6 +47,15 @@ def test_gpu_benchmark_tiny_runs_on_cpu():
         assert re.search(
             rf"^{re.escape(label)}: \d+\.\d\dx the tokens/s of mixed_bfloat16", out, re.M
         )
+    for recipe in ("current", "delayed"):  # the hidden-4096 model, against its own bf16 row
+        label = f"h4096: mixed_bfloat16 + FP8 {recipe}, jaxmp"
+        assert re.search(
+            rf"^{re.escape(label)}: \d+\.\d\dx the tokens/s of h4096: mixed_bfloat16", out, re.M
+        ), out
+        row = next(line for line in out.splitlines() if line.startswith(f"| {label} "))
+        # The FP8 GEMMs of the lowered step (6 per block, forward and backward: 18), none
+        # compiled into cuBLASLt calls on a CPU.
+        assert row.split("|")[-2].strip() == "18 / 0", row
     low = re.search(
         r"^low memory: [^:]*: params \+ optimizer state \+ batch [\d.]+ GB, ([\d.]+)x "
         r"mixed_bfloat16, jaxmp's",
@@ -193,6 +202,27 @@ def test_gpu_benchmark_row_times_steps_after_a_compile_past_its_deadline(benchma
     row = gpu_benchmark.run_row("lowmem", None, config, _model.batch(config), 5, deadline=0.0)
     assert row["steps"] == gpu_benchmark.MIN_TIMED_STEPS == 3
     assert np.isfinite(row["step_s"]) and row["step_s"] > 0
+
+
+def test_gpu_benchmark_gemm_rows_count_the_fp8_gemms(benchmarks_on_path, capsys):
+    import gpu_benchmark
+
+    gpu_benchmark.main(["--tiny", "--no-update-table", "--only", "GEMM"])
+    out = capsys.readouterr().out
+    rows = {
+        cells[1]: cells
+        for cells in ([c.strip() for c in line.split("|")] for line in out.splitlines())
+        if len(cells) > 2 and cells[1].startswith("GEMM: ")
+    }
+    assert set(rows) == {
+        f"GEMM: {r}" for r in ("bfloat16", "FP8 current", "FP8 delayed", "FP8 block")
+    }
+    # One FP8 GEMM pattern in each FP8 program (the block recipe's is one product batched over
+    # the blocks), none in the bfloat16 one; no cuBLASLt call on a CPU.
+    assert rows["GEMM: bfloat16"][5] == "0 / 0"
+    for recipe in ("current", "delayed", "block"):
+        assert rows[f"GEMM: FP8 {recipe}"][5] == "1 / 0", rows
+        assert float(rows[f"GEMM: FP8 {recipe}"][2]) > 0  # timed
 
 
 def test_gpu_benchmark_only_selects_rows_and_names_them_when_none_match(benchmarks_on_path, capsys):

@@ -490,3 +490,20 @@ def test_the_loss_scale_reaches_the_gradient_amax_and_never_the_state_itself():
         np.testing.assert_array_equal(
             big.scale[key][: fp8.ROLE_GRAD], one.scale[key][: fp8.ROLE_GRAD]
         )
+
+
+# --- The size gate ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe_type", [type(r) for r in ALL], ids=ALL_IDS)
+def test_matmuls_below_min_size_stay_in_the_compute_dtype(recipe_type):
+    params, x = mlp_params(d_in=32, d_hidden=64, d_out=8), jnp.ones((16, 32))
+    # (16 x 32) @ (32 x 64): smallest size 16; (16 x 64) @ (64 x 8): smallest size 8.
+    f = jaxmp.autocast(mlp, "mixed_bfloat16", fp8=recipe_type(min_size=12))
+    matmuls = f.fp8_matmuls(params, x)
+    assert [m.fp8 for m in matmuls] == [True, False]
+    assert matmuls[1].reason == "smaller than min_size (8 < 12)"
+    everything = jaxmp.autocast(mlp, "mixed_bfloat16", fp8=recipe_type())
+    assert [m.fp8 for m in everything.fp8_matmuls(params, x)] == [True, True]
+    with pytest.raises(ValueError, match=r"`min_size` must be an integer >= 0, got -1"):
+        recipe_type(min_size=-1)

@@ -127,11 +127,14 @@ class Float8CurrentScaling(_Recipe):
     Attributes:
       fwd_dtype: FP8 format of the forward operands (``jnp.float8_e4m3fn``).
       bwd_dtype: FP8 format of the gradients (``jnp.float8_e5m2``).
+      min_size: a matmul whose rows, columns or contraction (``M``, ``N`` or ``K``, the
+        batch dimensions aside) number fewer than this stays in the compute dtype: below
+        some size quantising costs more than the FP8 GEMM saves (0: every matmul in FP8).
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
       >>> jaxmp.Float8CurrentScaling()
-      Float8CurrentScaling(fwd_dtype=dtype(float8_e4m3fn), bwd_dtype=dtype(float8_e5m2))
+      Float8CurrentScaling(fwd_dtype=dtype(float8_e4m3fn), bwd_dtype=dtype(float8_e5m2), min_size=0)
       >>> jaxmp.Float8CurrentScaling(bwd_dtype=jnp.float16)
       Traceback (most recent call last):
       ...
@@ -140,9 +143,11 @@ class Float8CurrentScaling(_Recipe):
 
     fwd_dtype: Any = E4M3
     bwd_dtype: Any = E5M2
+    min_size: int = 0
 
     def __post_init__(self) -> None:
         self._check_dtypes()
+        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +173,9 @@ class DelayedScaling(_Recipe):
       margin: the scale is divided by ``2**margin`` (headroom above the expected amax).
       fwd_dtype: FP8 format of the forward operands (``jnp.float8_e4m3fn``).
       bwd_dtype: FP8 format of the gradients (``jnp.float8_e5m2``).
+      min_size: a matmul whose rows, columns or contraction (``M``, ``N`` or ``K``, the
+        batch dimensions aside) number fewer than this stays in the compute dtype: below
+        some size quantising costs more than the FP8 GEMM saves (0: every matmul in FP8).
 
     Example:
       >>> import jaxmp
@@ -186,6 +194,7 @@ class DelayedScaling(_Recipe):
     margin: int = 0
     fwd_dtype: Any = E4M3
     bwd_dtype: Any = E5M2
+    min_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "history_len", _positive_int(self.history_len, "history_len"))
@@ -194,6 +203,7 @@ class DelayedScaling(_Recipe):
             raise ValueError(f"`amax_compute` must be one of {choices}, got {self.amax_compute!r}.")
         object.__setattr__(self, "margin", _positive_int(self.margin, "margin", minimum=0))
         self._check_dtypes()
+        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +225,9 @@ class Float8BlockScaling(_Recipe):
       weight_block_size: side of the square weight blocks (128).
       fwd_dtype: FP8 format of the forward operands (``jnp.float8_e4m3fn``).
       bwd_dtype: FP8 format of the gradients (``jnp.float8_e5m2``).
+      min_size: a matmul whose rows, columns or contraction (``M``, ``N`` or ``K``, the
+        batch dimensions aside) number fewer than this stays in the compute dtype: below
+        some size quantising costs more than the FP8 GEMM saves (0: every matmul in FP8).
 
     Example:
       >>> import jaxmp
@@ -232,6 +245,7 @@ class Float8BlockScaling(_Recipe):
     weight_block_size: int = 128
     fwd_dtype: Any = E4M3
     bwd_dtype: Any = E5M2
+    min_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tile_size", _positive_int(self.tile_size, "tile_size"))
@@ -241,6 +255,7 @@ class Float8BlockScaling(_Recipe):
             _positive_int(self.weight_block_size, "weight_block_size"),
         )
         self._check_dtypes()
+        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +274,9 @@ class MXFP8BlockScaling(_Recipe):
       block_size: values sharing one scale (32 in the specification).
       fwd_dtype: FP8 format of the forward operands (``jnp.float8_e4m3fn``).
       bwd_dtype: FP8 format of the gradients (``jnp.float8_e5m2``).
+      min_size: a matmul whose rows, columns or contraction (``M``, ``N`` or ``K``, the
+        batch dimensions aside) number fewer than this stays in the compute dtype: below
+        some size quantising costs more than the FP8 GEMM saves (0: every matmul in FP8).
 
     Example:
       >>> import jaxmp
@@ -271,10 +289,12 @@ class MXFP8BlockScaling(_Recipe):
     block_size: int = 32
     fwd_dtype: Any = E4M3
     bwd_dtype: Any = E5M2
+    min_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", _positive_int(self.block_size, "block_size"))
         self._check_dtypes()
+        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
 
 
 #: Any FP8 recipe.

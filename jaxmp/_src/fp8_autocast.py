@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -268,6 +269,10 @@ class _Fp8Rules(autocast_lib._AutocastRules):
         self._matched.update(matched)
         if matched:
             return f"excluded by {self.exclude[matched[0]].pattern!r}"
+        if eqn.primitive.name == "dot_general" and self.recipe.min_size:
+            smallest = min(_gemm_sizes(eqn))
+            if smallest < self.recipe.min_size:
+                return f"smaller than min_size ({smallest} < {self.recipe.min_size})"
         return "fp8"
 
     def finish(self) -> None:
@@ -317,6 +322,16 @@ class _Fp8Rules(autocast_lib._AutocastRules):
                 f"(history_len={length}); create the state with `fp8_init` of this recipe."
             )
         return history, scale
+
+
+def _gemm_sizes(eqn: Any) -> tuple[int, int, int]:
+    """``(M, N, K)`` of a ``dot_general``: its rows, columns and contraction, batch aside."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    k = math.prod(lhs[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(lhs) if d not in lc and d not in lb)
+    n = math.prod(s for d, s in enumerate(rhs) if d not in rc and d not in rb)
+    return m, n, k
 
 
 def _unmatched_message(patterns: list[str], names: list[str]) -> str:
