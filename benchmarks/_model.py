@@ -48,6 +48,10 @@ class Config:
     num_layers: int = 2
     mlp_ratio: int = 4
     batch_size: int = 16
+    # "einsum": two einsums around a float32, rematerialised softmax; "fused":
+    # `jaxmp.dot_product_attention` (cuDNN's fused kernel for half-precision operands on an
+    # NVIDIA GPU, XLA's attention elsewhere and for float32).
+    attention: str = "einsum"
 
 
 # Named configurations. "cpu" compiles in a few seconds on a laptop CPU; "update" is only used
@@ -57,7 +61,20 @@ CONFIGS = {
     "cpu": Config(),
     "update": Config(d_model=256, num_layers=2, seq_len=128),
     "gpu": Config(
+        vocab_size=256,
+        seq_len=1024,
+        d_model=1024,
+        num_heads=16,
+        num_layers=8,
+        batch_size=32,
+        attention="fused",
+    ),
+    # The same with the einsum attention: the model the GPU rows used before (a labelled row).
+    "gpu_einsum": Config(
         vocab_size=256, seq_len=1024, d_model=1024, num_heads=16, num_layers=8, batch_size=32
+    ),
+    "tiny_fused": Config(
+        seq_len=32, d_model=32, num_heads=2, num_layers=1, batch_size=2, attention="fused"
     ),
     # Deep and unscanned (12 parameter leaves per block, 293 leaves): compile time as the
     # model grows (`gpu_benchmark.py`'s deep rows); "tiny_deep" is its CPU smoke test.
@@ -68,9 +85,17 @@ CONFIGS = {
     # Hidden size 4096 and 8,192 tokens per step: GEMMs large enough for FP8 to pay
     # (`gpu_benchmark.py`'s h4096 rows); "tiny_wide" is its CPU smoke test.
     "gpu_4096": Config(
-        vocab_size=256, seq_len=1024, d_model=4096, num_heads=32, num_layers=2, batch_size=8
+        vocab_size=256,
+        seq_len=1024,
+        d_model=4096,
+        num_heads=32,
+        num_layers=2,
+        batch_size=8,
+        attention="fused",
     ),
-    "tiny_wide": Config(seq_len=32, d_model=64, num_heads=2, num_layers=1, batch_size=2),
+    "tiny_wide": Config(
+        seq_len=32, d_model=64, num_heads=2, num_layers=1, batch_size=2, attention="fused"
+    ),
 }
 
 
@@ -113,6 +138,7 @@ class _Block(nn.Module):
     mlp_ratio: int
     dtype: Any
     param_dtype: Any
+    attention: str = "einsum"
 
     @nn.compact
     def __call__(self, x):
@@ -121,9 +147,12 @@ class _Block(nn.Module):
         h = _LayerNorm(self.dtype, self.param_dtype, name="ln_attn")(x)
         qkv = dense(3 * d, name="qkv")(h).reshape(b, t, 3, self.num_heads, d // self.num_heads)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.num_heads)
-        probs = _causal_softmax(logits)
-        h = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+        if self.attention == "fused":
+            h = jaxmp.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+        else:
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.num_heads)
+            probs = _causal_softmax(logits)
+            h = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
         x = x + dense(d, name="attn_out")(h)
         h = _LayerNorm(self.dtype, self.param_dtype, name="ln_mlp")(x)
         h = nn.gelu(dense(self.mlp_ratio * d, name="fc")(h))
@@ -146,7 +175,14 @@ class CharTransformer(nn.Module):
         )
         x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
         for i in range(c.num_layers):
-            x = _Block(c.num_heads, c.mlp_ratio, self.dtype, self.param_dtype, name=f"block_{i}")(x)
+            x = _Block(
+                c.num_heads,
+                c.mlp_ratio,
+                self.dtype,
+                self.param_dtype,
+                c.attention,
+                name=f"block_{i}",
+            )(x)
         x = _LayerNorm(self.dtype, self.param_dtype, name="ln_final")(x)
         logits = nn.Dense(c.vocab_size, dtype=self.dtype, param_dtype=self.param_dtype)(x)
         return logits.astype(F32)
@@ -173,7 +209,7 @@ def num_params(config: Config) -> int:
 # ---------------------------------------------------------------------------------------------
 # Train steps.
 
-APPROACHES = ("optax", "jaxmp", "manual", "jmp", "apply_if_finite", "flax")
+APPROACHES = ("optax", "jaxmp", "autocast", "manual", "jmp", "apply_if_finite", "flax")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
@@ -262,6 +298,29 @@ def _init_and_step(
             params, opt_state = carry
             loss_scale = jaxmp.get_loss_scale(opt_state)
             loss, grads = jaxmp.value_and_grad(loss_fn)(loss_scale, params, tokens)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), loss
+
+        return init, step
+
+    if approach == "autocast":
+        # The unmodified float32 model under `jaxmp.autocast`: no dtype written in the model.
+        float32_model = CharTransformer(config, dtype=F32, param_dtype=F32)
+        apply = jaxmp.autocast(float32_model.apply, precision)
+        loss_scale = jaxmp.DynamicLossScale(scale0) if scale0 != 1.0 else jaxmp.NoOpLossScale()
+        tx = jaxmp.mixed_precision(adam, precision, loss_scale)
+
+        def autocast_loss(params, tokens):
+            logits = apply({"params": params}, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        def init(params):
+            return params, tx.init(params)
+
+        def step(carry, tokens):
+            params, opt_state = carry
+            loss_scale = jaxmp.get_loss_scale(opt_state)
+            loss, grads = jaxmp.value_and_grad(autocast_loss)(loss_scale, params, tokens)
             updates, opt_state = tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss
 

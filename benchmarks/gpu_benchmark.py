@@ -1,5 +1,15 @@
 """Throughput and model FLOPs utilisation of the char-transformer, float32 against mixed precision.
 
+The model's attention is `jaxmp.dot_product_attention` (cuDNN's fused kernel for half-precision
+operands on an NVIDIA GPU, XLA's attention for float32): the rows compare float32, mixed_float16
+and mixed_bfloat16 with explicit module dtypes, `jaxmp.autocast` over the unmodified float32
+model (whose attention autocast dispatches to the fused kernel), and, where torch is installed,
+the same architecture in PyTorch eager with ``F.scaled_dot_product_attention``: float32 (TF32),
+``torch.amp`` float16 with a ``GradScaler`` and ``torch.amp`` bfloat16 (`_torch_model`), at
+d_model 1024 and 4096; lines after the table give the ratios the targets are about. The model
+the earlier runs measured (einsum attention around a float32, rematerialised softmax) has
+labelled rows of its own ("einsum attention: ...").
+
 For one accelerator (sized for an H100/H200): for each precision, the jitted train step
 (`_model.make_step`, params and optimizer state donated) is compiled, warmed up and timed;
 tokens/s is ``batch * seq_len / median step time`` and MFU is the compiled step's FLOPs
@@ -47,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _hlo  # noqa: E402
 import _model  # noqa: E402
+import _torch_model  # noqa: E402
 import compile_cost  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -58,20 +69,50 @@ import jaxmp  # noqa: E402
 # (label, approach, precision, config), most important first (the time budget may cut the
 # last); the first row run of each config is the reference for its speed-up and ratios.
 ROWS = [
+    # The model with fused attention (`jaxmp.dot_product_attention`), d_model 1024.
     ("float32, optax.adam", "optax", "float32", "gpu"),
     ("mixed_float16, jaxmp", "jaxmp", "mixed_float16", "gpu"),
     ("mixed_bfloat16, jaxmp", "jaxmp", "mixed_bfloat16", "gpu"),
+    ("autocast mixed_bfloat16, float32 model", "autocast", "mixed_bfloat16", "gpu"),
+    ("torch fp32", "torch", "float32", "gpu"),
+    ("torch.amp fp16 + GradScaler", "torch", "float16", "gpu"),
+    ("torch.amp bf16", "torch", "bfloat16", "gpu"),
     ("mixed_bfloat16 + FP8 current, jaxmp", "fp8", "current", "gpu"),
-    ("mixed_bfloat16 + FP8 delayed, jaxmp", "fp8", "delayed", "gpu"),
-    ("mixed_bfloat16 + FP8 block, jaxmp", "fp8", "block", "gpu"),
-    ("low memory: bfloat16 params + moments, stochastic rounding", "lowmem", "bf16", "gpu"),
+    # d_model 4096, 8,192 tokens per step.
+    ("h4096: float32, optax.adam", "optax", "float32", "gpu_4096"),
     ("h4096: mixed_bfloat16, jaxmp", "jaxmp", "mixed_bfloat16", "gpu_4096"),
+    ("h4096: autocast mixed_bfloat16, float32 model", "autocast", "mixed_bfloat16", "gpu_4096"),
+    ("h4096: torch.amp bf16", "torch", "bfloat16", "gpu_4096"),
     ("h4096: mixed_bfloat16 + FP8 current, jaxmp", "fp8", "current", "gpu_4096"),
     ("h4096: mixed_bfloat16 + FP8 delayed, jaxmp", "fp8", "delayed", "gpu_4096"),
+    ("mixed_bfloat16 + FP8 delayed, jaxmp", "fp8", "delayed", "gpu"),
+    ("mixed_bfloat16 + FP8 block, jaxmp", "fp8", "block", "gpu"),
+    # The model the earlier runs measured: einsum attention around a float32 softmax.
+    ("einsum attention: float32, optax.adam", "optax", "float32", "gpu_einsum"),
+    ("einsum attention: mixed_float16, jaxmp", "jaxmp", "mixed_float16", "gpu_einsum"),
+    ("low memory: bfloat16 params + moments, stochastic rounding", "lowmem", "bf16", "gpu"),
     ("float32, jaxmp", "jaxmp", "float32", "gpu"),
     ("mixed_float16, hand-written", "manual", "mixed_float16", "gpu"),
     ("deep: float32, optax.adam", "optax", "float32", "gpu_deep"),
     ("deep: mixed_float16, jaxmp", "jaxmp", "mixed_float16", "gpu_deep"),
+]
+# The configs of the rows, and their CPU smoke-test stand-ins (`--tiny`).
+CONFIG_NAMES = {
+    "gpu": "tiny_fused",
+    "gpu_4096": "tiny_wide",
+    "gpu_einsum": "tiny",
+    "gpu_deep": "tiny_deep",
+}
+# Lines after the table: (row, the row it is compared with), tokens/s ratios (the targets on
+# a Hopper GPU: autocast >= 0.95x the explicit-dtype row; mixed_bfloat16 >= 3x float32 and
+# >= 1.15x torch.amp bf16).
+COMPARISONS = [
+    (f"{prefix}autocast mixed_bfloat16, float32 model", f"{prefix}mixed_bfloat16, jaxmp")
+    for prefix in ("", "h4096: ")
+] + [
+    (f"{prefix}mixed_bfloat16, jaxmp", f"{prefix}{against}")
+    for prefix in ("", "h4096: ")
+    for against in ("float32, optax.adam", "torch.amp bf16")
 ]
 # The update alone over many leaves: (label, `compile_cost.UPDATE_APPROACHES` name).
 COMPILE_ROWS = [
@@ -89,7 +130,7 @@ GEMM_ROWS = [
 GEMM_SHAPE = (32768, 4096, 16384)  # (m, k, n): (m, k) @ (k, n)
 TINY_GEMM_SHAPE = (64, 32, 48)
 BF16_ROW = "mixed_bfloat16, jaxmp"
-# The bfloat16 row each FP8 row is compared with: its model's.
+# The bfloat16 row each FP8 and low-memory row is compared with: its model's.
 BF16_ROWS = {"gpu": BF16_ROW, "gpu_4096": "h4096: mixed_bfloat16, jaxmp"}
 FP8_CALL = 'custom_call_target="__cublas$lt$matmul$f8"'
 
@@ -108,7 +149,13 @@ FP8_RECIPES = {
     "delayed": jaxmp.DelayedScaling(history_len=16),
     "block": jaxmp.Float8BlockScaling(),
 }
-FP8_EXCLUDE = ("CharTransformer/Dense_0", r".*->.*")
+HEAD = "CharTransformer/Dense_0"  # the model's only top-level Dense
+
+
+def fp8_exclude(config: Any) -> tuple[str, ...]:
+    """The matmuls kept in bfloat16: the head, and the einsum attention's two products of
+    activations (named by their equation; the fused attention has none)."""
+    return (HEAD,) if config.attention == "fused" else (HEAD, r".*->.*")
 
 
 def make_fp8_step(recipe_name: str, config: Any, learning_rate: float = 1e-3) -> tuple[Any, Any]:
@@ -125,7 +172,7 @@ def make_fp8_step(recipe_name: str, config: Any, learning_rate: float = 1e-3) ->
         low_precision_ops=("dot_general",),
         float32_ops=(),
         fp8=FP8_RECIPES[recipe_name],
-        fp8_exclude=FP8_EXCLUDE,
+        fp8_exclude=fp8_exclude(config),
     )
     tx = jaxmp.mixed_precision(optax.adam(learning_rate), "mixed_bfloat16", jaxmp.NoOpLossScale())
     stateful = FP8_RECIPES[recipe_name].stateful
@@ -219,6 +266,10 @@ def describe(result: dict[str, Any] | None) -> str:
 
 
 def run_row(approach, precision, config, tokens, steps, deadline) -> dict[str, Any]:
+    if approach == "torch":
+        if not _torch_model.available():
+            return {"error": "skipped: torch is not installed"}
+        return _torch_model.measure(precision, config, tokens, steps, deadline)
     if approach == "fp8":
         init, step = make_fp8_step(precision, config)
     elif approach == "lowmem":
@@ -324,9 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     deadline = start + args.budget_s
     configs = {
-        "gpu": _model.CONFIGS["tiny" if args.tiny else "gpu"],
-        "gpu_deep": _model.CONFIGS["tiny_deep" if args.tiny else "gpu_deep"],
-        "gpu_4096": _model.CONFIGS["tiny_wide" if args.tiny else "gpu_4096"],
+        name: _model.CONFIGS[tiny if args.tiny else name] for name, tiny in CONFIG_NAMES.items()
     }
     compile_leaves = 20 if args.tiny else args.compile_leaves
     steps = 3 if args.tiny else args.steps
@@ -392,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         ok = ref is not None and "error" not in ref
         tps = config.batch_size * config.seq_len / r["step_s"]
-        mfu = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)
+        mfu = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)  # nan for torch
         speedup = ref["step_s"] / r["step_s"] if ok else float("nan")
         temp_ratio = r["temp"] / ref["temp"] if ok else float("nan")
         compile_ratio = r["compile_s"] / ref["compile_s"] if ok else float("nan")
@@ -458,6 +507,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"({bf16['arguments'] / 1e9:.3f} GB); {bf16['step_s'] / r['step_s']:.2f}x its "
                 "tokens/s"
             )
+
+    for label, against in COMPARISONS:
+        r, ref = results.get(label), results.get(against)
+        if r and ref and "error" not in r and "error" not in ref:
+            print(f"{label}: {ref['step_s'] / r['step_s']:.2f}x the tokens/s of {against}")
 
     if gemm_rows:
         gemm_table = []

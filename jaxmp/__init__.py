@@ -5,6 +5,7 @@ optax transformations; for less memory, stochastic rounding or Kahan summation o
 half-precision params and compressed optimizer states.
 """
 
+from jaxmp._src.attention import dot_product_attention
 from jaxmp._src.autocast import (
     FLOAT32_OPS,
     LOW_PRECISION_OPS,
@@ -94,6 +95,7 @@ __all__ = (
     "cast_tree",
     "compress_state",
     "default_loss_scale",
+    "dot_product_attention",
     "dtype_to_names",
     "filter_value_and_grad",
     "get_loss_scale",

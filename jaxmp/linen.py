@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ from flax import struct
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from jaxmp._src import attention as attention_lib
 from jaxmp._src import flax_common
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import policy as policy_lib
@@ -562,3 +565,97 @@ def fp8_apply(
     if isinstance(apply_fn, nn.Module):
         apply_fn = apply_fn.apply
     return Float8Apply(fp8_autocast(apply_fn, policy, recipe, exclude))
+
+
+# --------------------------------------------------------------------------------------------
+# Fused attention under `jaxmp.autocast` (`jaxmp._src.attention`).
+
+
+def _fusable_linen_attention(arguments: Mapping[str, Any]) -> bool:
+    """Whether a call of Flax Linen's ``dot_product_attention`` is plain softmax attention
+    that `jaxmp.dot_product_attention` computes alike: no dropout, no sown weights, no
+    einsum or precision of its own, floating operands of matching leading shapes."""
+    a = arguments
+    no_dropout = a.get("dropout_rate", 0.0) == 0.0 or a.get("deterministic", False) is True
+    plain = all(
+        a.get(name) is None
+        for name in (
+            "module",
+            "precision",
+            "einsum_dot_general",
+            "qk_attn_weights_einsum",
+            "attn_weights_value_einsum",
+        )
+    )
+    q, k, v = a["query"], a["key"], a["value"]
+    shapes = q.ndim == k.ndim == v.ndim >= 3 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]
+    floating = all(jnp.issubdtype(x.dtype, jnp.floating) for x in (q, k, v))
+    return bool(isinstance(no_dropout, bool) and no_dropout and plain and shapes and floating)
+
+
+def _dispatch_linen_attention(arrays: dict[str, Any], options: dict[str, Any], dtype: Any) -> Any:
+    """Flax Linen's attention (``[..., T, N, H]`` operands, a mask whose nonzero entries
+    attend) as `jaxmp.dot_product_attention` on ``[B, T, N, H]``."""
+    del options, dtype
+    q, k, v = arrays["query"], arrays["key"], arrays["value"]
+    lead = q.shape[:-3]
+
+    def batch(x: Any, dims: int) -> Any:
+        x = jnp.broadcast_to(x, (*lead, *x.shape[-dims:])) if x.ndim < len(lead) + dims else x
+        return x.reshape((-1, *x.shape[-dims:]))
+
+    bias, mask = arrays.get("bias"), arrays.get("mask")
+    if bias is not None:
+        bias = batch(jnp.asarray(bias, q.dtype), 3)
+    if mask is not None:
+        mask = batch(mask if mask.dtype == jnp.bool_ else mask != 0, 3)
+    out = attention_lib.dot_product_attention(batch(q, 3), batch(k, 3), batch(v, 3), bias, mask)
+    return out.reshape(q.shape)
+
+
+attention_lib.register_dispatcher("linen", _dispatch_linen_attention)
+
+
+@contextlib.contextmanager
+def _mark_linen_attention() -> Iterator[None]:
+    """While a function is traced by `jaxmp.autocast`, Flax Linen's ``dot_product_attention``
+    marks its plain calls (`_fusable_linen_attention`). Its code is swapped for the span of
+    the trace, so that every caller is seen, ``MultiHeadDotProductAttention`` among them (its
+    ``attention_fn`` is this function object, bound when the class was defined)."""
+    target = nn.attention.dot_product_attention
+    original = types.FunctionType(
+        target.__code__, target.__globals__, target.__name__, target.__defaults__,
+        target.__closure__,
+    )  # fmt: skip
+    original.__kwdefaults__ = target.__kwdefaults__
+    signature = inspect.signature(target)
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        if not _fusable_linen_attention(arguments):
+            return original(*args, **kwargs)
+        arrays = {n: arguments[n] for n in ("query", "key", "value", "bias", "mask")}
+        return attention_lib.mark(
+            "linen", lambda given: original(**{**arguments, **given}), arrays, {}
+        )
+
+    saved_code = target.__code__
+    namespace: dict[str, Any] = {}
+    exec(  # noqa: S102 - a trampoline of the same free variables (none) as the target
+        "def trampoline(*args, **kwargs):\n    return _jaxmp_attention_hook(*args, **kwargs)\n",
+        namespace,
+    )
+    target.__signature__ = signature  # type: ignore[attr-defined]  # what callers inspect
+    target.__globals__["_jaxmp_attention_hook"] = hook
+    target.__code__ = namespace["trampoline"].__code__
+    try:
+        yield
+    finally:
+        target.__code__ = saved_code
+        target.__globals__.pop("_jaxmp_attention_hook", None)
+        del target.__signature__  # type: ignore[attr-defined]
+
+
+attention_lib.register_interceptor(_mark_linen_attention)

@@ -246,7 +246,9 @@ def test_flax_linen_block_dtypes(dtype):
     model = LinenBlock()
     x = jax.random.normal(jax.random.key(0), (2, 6, 16))
     variables = model.init(jax.random.key(1), x)
-    jaxpr = autocast_jaxpr(model.apply, POLICIES[dtype])(variables, x)
+    # The op-by-op rules over the attention too (by default autocast dispatches Linen's
+    # attention to `jaxmp.dot_product_attention`: tests/test_attention.py).
+    jaxpr = autocast_jaxpr(model.apply, POLICIES[dtype], fused_attention=False)(variables, x)
     assert_matmuls_in(jaxpr, dtype, at_least=6)
     assert upcasts_feeding_only_matmuls(jaxpr, dtype) == []
     assert_float32_ops(jaxpr, ["exp", "reduce_max", "reduce_sum"])
@@ -662,7 +664,8 @@ def test_flax_scan_over_remat_layers():
     model = ScannedStack()
     x = jax.random.normal(jax.random.key(0), (2, 6, 16))
     variables = model.init(jax.random.key(1), x)
-    jaxpr = autocast_jaxpr(model.apply, "mixed_bfloat16")(variables, x)
+    # The op-by-op rules (the dispatched attention: tests/test_attention.py).
+    jaxpr = autocast_jaxpr(model.apply, "mixed_bfloat16", fused_attention=False)(variables, x)
     assert [e.primitive.name for e in jaxpr.jaxpr.eqns][0] == "scan"
     assert eqns_named(jaxpr, "remat2")
     assert_matmuls_in(jaxpr, BF16, at_least=6)

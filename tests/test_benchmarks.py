@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark scripts (tiny configurations; numbers are not checked here,
 except that they exist and the byte ratios keep their order)."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -53,9 +54,10 @@ def test_gpu_benchmark_tiny_runs_on_cpu():
             rf"^{re.escape(label)}: \d+\.\d\dx the tokens/s of h4096: mixed_bfloat16", out, re.M
         ), out
         row = next(line for line in out.splitlines() if line.startswith(f"| {label} "))
-        # The FP8 GEMMs of the lowered step (6 per block, forward and backward: 18), none
+        # The FP8 GEMMs of the lowered step: the block's qkv, output, fc and proj matmuls,
+        # forward and backward (4 x 3: the head and the fused attention have none); none
         # compiled into cuBLASLt calls on a CPU.
-        assert row.split("|")[-2].strip() == "18 / 0", row
+        assert row.split("|")[-2].strip() == "12 / 0", row
     low = re.search(
         r"^low memory: [^:]*: params \+ optimizer state \+ batch [\d.]+ GB, ([\d.]+)x "
         r"mixed_bfloat16, jaxmp's",
@@ -250,3 +252,34 @@ def test_gpu_benchmark_only_selects_rows_and_names_them_when_none_match(benchmar
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--only ['fp9']: no row's label contains it" in err and "FP8 delayed" in err
+
+
+def test_attention_lowering_counts_cudnn_calls_where_the_cuda_plugin_is():
+    # Lowering for the GPU needs JAX's CUDA plugin: where it is installed, every attention
+    # form under autocast with a half-precision policy lowers to cuDNN's fused attention,
+    # forward and backward, and none with the switch off or in float32; where it is not, the
+    # script says so (exit status 2).
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "attention_lowering.py")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        assert proc.returncode == 2 and "CUDA plugin is not installed" in proc.stdout
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()]
+    forms = [c for c in cells if len(c) == 5 and c[1] in ("0", "1", "2")]
+    assert len(forms) == 6
+    for name, bf16, f16, off, f32 in forms:
+        assert (bf16, f16, off, f32) == ("2", "2", "0", "0"), name
+    steps = {c[0]: c[1] for c in cells if len(c) == 2 and c[1].isdigit()}
+    assert steps == {
+        "optax, float32": "0",
+        "jaxmp, mixed_bfloat16": "2",
+        "jaxmp, mixed_float16": "2",
+        "autocast, mixed_bfloat16": "2",
+    }

@@ -88,7 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxmp._src import autocast_rules, compat, dtypes, interpret
+from jaxmp._src import attention, autocast_rules, compat, dtypes, interpret
 from jaxmp._src import policy as policy_lib
 
 FLOAT32_OPS = autocast_rules.FLOAT32_OPS
@@ -162,6 +162,7 @@ class _Context:
     compute_dtype: np.dtype
     low_ops: frozenset[str]
     float32_ops: frozenset[str]
+    fused_attention: bool = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,12 +238,24 @@ class _AutocastRules(interpret.Rules):
         if index in frame.restores:
             return [_Value(values[0], False)]
         region = frame.regions[index]
+        if not region and self.marked_attention(eqn):
+            outs = attention.dispatch(eqn.params["name"], values, self.ctx.compute_dtype)
+            return [_Value(x, False) for x in outs]
         if not region and eqn.primitive.name not in self.ctx.low_ops | self.ctx.float32_ops:
             outs = interp.higher_order(eqn, vals)
             if outs is not NotImplemented:
                 return outs
         outs, out_flags = _apply(eqn, values, flags, self.ctx, region, frame.cache)
         return [_Value(x, f) for x, f in zip(outs, out_flags, strict=True)]
+
+    def marked_attention(self, eqn: Any) -> bool:
+        """Whether `eqn` is an attention marked while the function was traced, to dispatch
+        (`jaxmp._src.attention`)."""
+        return (
+            self.ctx.fused_attention
+            and eqn.primitive.name in ("jit", "pjit")
+            and attention.is_marked(str(eqn.params.get("name", "")))
+        )
 
     def fix(self, vals: list[_Value], like: list[_Value]) -> list[_Value]:
         # Loop carries keep the dtype (and weakness) of their initial value; branches of a
@@ -631,12 +644,14 @@ class Autocast:
         policy: policy_lib.Policy,
         low_precision_ops: frozenset[str],
         float32_ops: frozenset[str],
+        fused_attention: bool = True,
     ):
         functools.update_wrapper(self, fun, updated=())
         self._fun = fun
         self.policy = policy
         self.low_precision_ops = low_precision_ops
         self.float32_ops = float32_ops
+        self.fused_attention = fused_attention
         self._jitted = jax.jit(self._run, static_argnums=(0, 1))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -678,12 +693,14 @@ class Autocast:
     def _run(self, graph: bool, spec: interpret.ArgSpec, extra: Any, *dynamic: Any) -> Any:
         # With `graph`, the outputs are `(out, new_leaves)`: the state leaves the call
         # changed (None if unchanged).
-        traced = interpret.trace_call(self._fun, graph, spec, dynamic)
+        with attention.intercept() if self.fused_attention else contextlib.nullcontext():
+            traced = interpret.trace_call(self._fun, graph, spec, dynamic)
         closed = traced.closed
         ctx = _Context(
             compute_dtype=self.policy.compute_dtype,
             low_ops=self.low_precision_ops,
             float32_ops=self.float32_ops,
+            fused_attention=self.fused_attention,
         )
         interp = interpret.Interpreter(self._rules(ctx, extra))
         values = interp.eval_jaxpr(closed.jaxpr, closed.consts, [_Value(x, True) for x in dynamic])
@@ -715,6 +732,7 @@ def autocast(
     float32_ops: Iterable[str | compat.Primitive] | None = None,
     fp8: Any = None,
     fp8_exclude: str | Iterable[str] | None = None,
+    fused_attention: bool = True,
 ) -> Autocast:
     """Runs an unmodified function with op-level mixed precision (like ``torch.autocast``).
 
@@ -770,6 +788,11 @@ def autocast(
         keep out of FP8, which then follow the policy: the Linen module path with the top
         module's class first (``"TransformerLM/head"``, ``".*/head"``), or the names of
         ``jax.named_scope`` blocks.
+      fused_attention: attention written with ``jax.nn.dot_product_attention`` (and Flax's
+        attention functions and modules, see the autocast guide) runs as
+        `jaxmp.dot_product_attention` on its operands cast to the compute dtype: cuDNN's
+        fused kernel on NVIDIA GPUs where it applies, XLA's attention in the compute dtype
+        elsewhere. False re-interprets the float32 attention op by op like any other code.
 
     Returns:
       A function with the signature of `fun`.
@@ -806,8 +829,10 @@ def autocast(
             raise TypeError("`fp8_exclude` needs an FP8 recipe: pass `fp8=` too.")
         recipe = fp8_lib.check_recipe(fp8)
         exclude = fp8_autocast.compile_exclude(fp8_exclude)
-        return fp8_autocast.Float8Autocast(fun, policy, low, f32, recipe, exclude)
-    return Autocast(fun, policy, low, f32)
+        return fp8_autocast.Float8Autocast(
+            fun, policy, low, f32, recipe, exclude, fused_attention=fused_attention
+        )
+    return Autocast(fun, policy, low, f32, fused_attention=fused_attention)
 
 
 def autocast_jaxpr(

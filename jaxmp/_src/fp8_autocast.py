@@ -202,7 +202,8 @@ class _Fp8Rules(autocast_lib._AutocastRules):
         stateless = name in _STATELESS_REGIONS
         self._no_state += stateless
         try:
-            if self.recipe.stateful and name in ("jit", "pjit") and not region:
+            marked = self.marked_attention(eqn)
+            if self.recipe.stateful and name in ("jit", "pjit") and not region and not marked:
                 return interp.inline(eqn, vals)
             return super().apply(inner, index, eqn, vals, interp)
         finally:
@@ -432,8 +433,9 @@ class Float8Autocast(autocast_lib.Autocast):
         float32_ops: frozenset[str],
         recipe: Any,
         exclude: tuple[re.Pattern[str], ...],
+        fused_attention: bool = True,
     ):
-        super().__init__(fun, policy, low_precision_ops, float32_ops)
+        super().__init__(fun, policy, low_precision_ops, float32_ops, fused_attention)
         self.fp8 = recipe
         self.fp8_exclude = exclude
 
