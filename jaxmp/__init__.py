@@ -5,6 +5,9 @@ optax transformations; for less memory, stochastic rounding or Kahan summation o
 half-precision params and compressed optimizer states.
 """
 
+import sys as _sys
+
+from jaxmp._src import interpret as _interpret
 from jaxmp._src.attention import dot_product_attention
 from jaxmp._src.autocast import (
     FLOAT32_OPS,
@@ -56,12 +59,32 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # `jaxmp.linen` and `jaxmp.nnx` import flax; load them only when asked for.
-    if name in ("linen", "nnx"):
-        import importlib
+    # `jaxmp.linen` and `jaxmp.nnx` import flax; load them only when asked for. (Not with
+    # `from jaxmp import ...`: that asks this function again.)
+    if name == "linen":
+        import jaxmp.linen
 
-        return importlib.import_module(f"jaxmp.{name}")
+        return jaxmp.linen
+    if name == "nnx":
+        import jaxmp.nnx
+
+        return jaxmp.nnx
     raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")
+
+
+def _split_nnx_graph_nodes(tree):
+    # NNX modules among the arguments of `jaxmp.autocast`, `jaxmp.inspect` or an FP8 call are
+    # split by `jaxmp.nnx`, which imports Flax: it is loaded only once the program has imported
+    # `flax.nnx` (as one that builds NNX modules has), and then registers its own split in place
+    # of this one. The core (`interpret`) never imports upward.
+    if "flax.nnx" not in _sys.modules:
+        return None
+    import jaxmp.nnx
+
+    return jaxmp.nnx._split_graph_nodes(tree)
+
+
+_interpret.register_graph_splitter(_split_nnx_graph_nodes)
 
 
 __all__ = (

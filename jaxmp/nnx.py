@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp._src import flax_common
+from jaxmp._src import flax_common, interpret
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import state as state_lib
@@ -398,8 +398,9 @@ def _name_modules(tree: Any) -> None:
     inside a trace, fresh copies and never the caller's objects. Each copy's class becomes a
     subclass whose ``__call__`` opens a scope named by the module's attribute path in the
     enclosing module (the class name for a module passed as an argument): the layers of an
-    ``nnx.Sequential`` are ``"Sequential/0"``, ``"Sequential/1"``... `nnx.split` records the subclass, so the copies
-    `nnx.grad` and `nnx.value_and_grad` make inside the call are named too.
+    ``nnx.Sequential`` are ``"Sequential/0"``, ``"Sequential/1"``... `nnx.split` records the
+    subclass, so the copies `nnx.grad` and `nnx.value_and_grad` make inside the call are named
+    too.
     """
     for root in jax.tree.leaves(tree, is_leaf=nnx.graph.is_graph_node):
         if not nnx.graph.is_graph_node(root):
@@ -468,3 +469,8 @@ def _split_graph_nodes(tree: Any) -> tuple[_GraphNodes, list[Any], Any, Callable
         nnx.update(nodes, jax.tree.unflatten(state_def, merged))
 
     return _GraphNodes(graphdef, treedef, positions), others, state, write_back
+
+
+# `jaxmp.autocast`, `jaxmp.inspect` and FP8 split NNX modules out of a call's arguments with
+# this; it replaces the package root's stand-in, which imports this module on first need.
+interpret.register_graph_splitter(_split_graph_nodes)

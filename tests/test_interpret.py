@@ -8,6 +8,9 @@ rules' monoid; a branch not taken gives the identity; the clock orders them by e
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,3 +137,45 @@ def test_rules_that_do_not_emit_leave_jit_signatures_alone():
 
     (eqn,) = jax.make_jaxpr(rebound)(jnp.ones(2)).jaxpr.eqns
     assert len(eqn.invars) == 1 and len(eqn.outvars) == 1  # no clock, no records
+
+
+# --- Graph nodes: the split is registered from above, never imported by the core --------------
+
+
+def test_registered_graph_splitter_splits_the_arguments(monkeypatch):
+    seen = []
+
+    def splitter(tree):
+        seen.append(tree)
+        return "split" if tree[0] else None
+
+    monkeypatch.setattr(interpret, "_graph_splitter", None)
+    assert interpret.split_graph_nodes(((1,), {})) is None  # none registered
+    interpret.register_graph_splitter(splitter)
+    assert interpret.split_graph_nodes(((1,), {})) == "split"
+    assert interpret.split_graph_nodes(((), {})) is None
+    assert seen == [((1,), {}), ((), {})]
+    interpret.register_graph_splitter(None)
+    assert interpret.split_graph_nodes(((1,), {})) is None and len(seen) == 2
+
+
+def test_nnx_modules_are_split_without_importing_jaxmp_nnx_first():
+    """A program that never imports `jaxmp.nnx` passes NNX modules to `jaxmp.autocast`: the
+    package root's stand-in loads `jaxmp.nnx`, which registers its own split."""
+    code = """if True:
+        import sys
+        import jax.numpy as jnp
+        import jaxmp
+        from jaxmp._src import interpret
+        assert interpret.split_graph_nodes(((1,), {})) is None
+        assert "flax" not in sys.modules, "flax imported"
+        from flax import nnx
+        assert "jaxmp.nnx" not in sys.modules
+        model = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+        out = jaxmp.autocast(lambda m, x: m(x), "mixed_bfloat16")(model, jnp.ones((2, 3)))
+        assert out.shape == (2, 3), out
+        # The statistics the call updated are written back to the model: the split did it.
+        assert (model.mean.get_value() != 0).all(), model.mean
+        assert interpret._graph_splitter is sys.modules["jaxmp.nnx"]._split_graph_nodes
+    """
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -759,17 +758,24 @@ def split_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[ArgSpec, 
     return ArgSpec(treedef, static, len(leaves)), dynamic
 
 
-def split_graph_nodes(tree: Any) -> Any:
-    """`jaxmp.nnx`'s split of the Flax NNX graph nodes in `tree`, or None.
+# The split of graph nodes (Flax NNX modules) out of a call's arguments. The core knows no
+# graph library: the integration above it registers the split (`jaxmp.nnx` when imported).
+_graph_splitter: Callable[[Any], Any] | None = None
 
-    The core does not import Flax: a program that passes NNX modules has imported
-    ``flax.nnx`` already, and only then is `jaxmp.nnx` asked.
+
+def register_graph_splitter(splitter: Callable[[Any], Any] | None) -> None:
+    """Makes `split_graph_nodes` call `splitter`, in place of the one registered before.
+
+    `splitter` takes a call's ``(args, kwargs)`` and returns None when they hold no graph
+    nodes, else ``(nodes, others, state, write_back)`` (see `trace_call`); None unregisters.
     """
-    if "flax.nnx" not in sys.modules:
-        return None
-    from jaxmp import nnx as jaxmp_nnx
+    global _graph_splitter
+    _graph_splitter = splitter
 
-    return jaxmp_nnx._split_graph_nodes(tree)
+
+def split_graph_nodes(tree: Any) -> Any:
+    """The registered splitter's split of the graph nodes in `tree`; None without one."""
+    return None if _graph_splitter is None else _graph_splitter(tree)
 
 
 @dataclasses.dataclass(frozen=True)
