@@ -332,7 +332,7 @@ def _lm_model(layers: int, policy: Any, d_model: int = 64) -> Any:
 
 
 def _main_job_inner(learning_rate: float) -> optax.GradientTransformation:
-    # The main job's optimizer (examples/train.py), with a constant learning rate.
+    # The main job's optimizer (examples/lm/steps.py), with a constant learning rate.
     return optax.chain(
         optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, b2=0.99, weight_decay=0.01)
     )
@@ -344,7 +344,7 @@ def lm_train_step(
     """``(step, abstract args)`` of the main job's train step, not jitted.
 
     `approach` is ``"optax"`` (plain `optax` in `precision`, no loss scaling), ``"jaxmp"``
-    (`jaxmp.mixed_precision` and `jaxmp.value_and_grad`, as in `examples/train.py`) or
+    (`jaxmp.mixed_precision` and `jaxmp.value_and_grad`, as in `examples/lm/steps.py`) or
     ``"manual"`` (the same casts, loss scaling, finiteness check, selects and scale update
     written inline, selecting after the update).
     """

@@ -1,6 +1,6 @@
 """What `jaxmp.inspect` costs inside the main job's jitted train step.
 
-The main job's train step (``examples/train.py``, config ``mixed_float16``) against the same
+The main job's train step (``examples/lm/steps.py``, config ``mixed_float16``) against the same
 step with its loss and gradients computed by ``jaxmp.inspect(jaxmp.value_and_grad(loss_fn))``,
 the report returned from the jitted step (the pattern of docs/guides/inspector.md: an
 inspected step every N steps, a plain one otherwise). Three measurements:

@@ -30,6 +30,7 @@ import loss_scale_tools  # noqa: E402
 import train  # noqa: E402
 from lm import config as config_lib  # noqa: E402
 from lm import data as data_lib  # noqa: E402
+from lm import figures, rundir  # noqa: E402
 
 import jaxmp  # noqa: E402
 from tests.conftest import all_eqns, environ_without_compilation_cache, fp8_dots  # noqa: E402
@@ -398,7 +399,7 @@ def test_resume_after_a_crash_recomputes_the_rows_after_the_checkpoint(finished,
 
 def test_failed_restore_hook_drops_only_closed_loop_reports():
     seen = []
-    hook = functools.partial(train._ignore_abandoned_reads, seen.append)
+    hook = functools.partial(rundir._ignore_abandoned_reads, seen.append)
     errors = [RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("bad")]
     for error in errors:
         hook(types.SimpleNamespace(exc_value=error))
@@ -758,7 +759,7 @@ def test_run_figure_panels_tell_something(finished):
         assert all(np.asarray(line.get_ydata()).min() > 0 for line in _data_lines(ax_speed))
         assert "throughput" in ax_speed.get_title()
     finally:
-        train._pyplot().close(fig)
+        figures.pyplot().close(fig)
 
 
 def _variant(result, name, precision, loss_factor, scale=None):
@@ -811,7 +812,7 @@ def test_comparison_figure_separates_configs(finished):
         assert scale_lines[0].get_linestyle() != scale_lines[1].get_linestyle()
         assert "no loss scaling (scale 1): fp32, mixed_bfloat16" in ax_scale.get_title()
     finally:
-        train._pyplot().close(fig)
+        figures.pyplot().close(fig)
 
 
 def test_signed_percent_has_no_negative_zero():
