@@ -5,8 +5,10 @@ optax transformations; for less memory, stochastic rounding or Kahan summation o
 half-precision params and compressed optimizer states.
 """
 
+import contextlib as _contextlib
 import sys as _sys
 
+from jaxmp._src import attention as _attention
 from jaxmp._src import interpret as _interpret
 from jaxmp._src.attention import dot_product_attention
 from jaxmp._src.autocast import (
@@ -85,6 +87,20 @@ def _split_nnx_graph_nodes(tree):
 
 
 _interpret.register_graph_splitter(_split_nnx_graph_nodes)
+
+
+def _mark_linen_attention():
+    # Flax Linen's attention is marked for `jaxmp.autocast` by `jaxmp.linen` (which imports
+    # Flax): loaded only once the program has imported `flax.linen`, and then registering its
+    # own marks in place of these.
+    if "flax.linen" not in _sys.modules:
+        return _contextlib.nullcontext()
+    import jaxmp.linen
+
+    return jaxmp.linen._mark_linen_attention()
+
+
+_attention.register_interceptor("flax.linen", _mark_linen_attention)
 
 
 __all__ = (

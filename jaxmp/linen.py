@@ -658,4 +658,4 @@ def _mark_linen_attention() -> Iterator[None]:
         del target.__signature__  # type: ignore[attr-defined]
 
 
-attention_lib.register_interceptor(_mark_linen_attention)
+attention_lib.register_interceptor("flax.linen", _mark_linen_attention)

@@ -14,6 +14,9 @@ Lowering for the GPU (cuDNN's custom call) needs JAX's CUDA plugin:
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -204,3 +207,35 @@ def test_jaxmp_attention_in_a_float32_model_is_dispatched_too():
     inside, _ = dispatched(f.jaxpr(*qkv()))
     assert [str(e.invars[0].aval.dtype) for e in inside] == ["bfloat16"] * 2
     assert rel_err(jax.jit(f)(*qkv()), fn(*qkv())) <= TOLERANCE[BF16]
+
+
+def test_linen_attention_is_dispatched_without_importing_jaxmp_linen():
+    # A program that imports only jaxmp (and Flax) gets Linen's attention dispatched too:
+    # `import jaxmp` registers a stand-in that loads `jaxmp.linen` once `flax.linen` is in.
+    code = """
+import sys
+import flax.linen as nn, jax, jax.numpy as jnp, jaxmp
+from jaxmp._src import attention, compat
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.MultiHeadDotProductAttention(num_heads=2, deterministic=True)(x)
+
+x = jnp.ones((2, 8, 32))
+variables = Block().init(jax.random.key(0), x)
+assert "jaxmp.linen" not in sys.modules
+jaxpr = jaxmp.autocast(Block().apply, "mixed_bfloat16").jaxpr(variables, x)
+
+def walk(jaxpr, outer=()):
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        scopes = (*outer, *compat.name_stack_of(eqn).split("/"))
+        yield eqn, scopes
+        for sub in compat.jaxprs_in_params(eqn.params):
+            yield from walk(sub, scopes)
+
+print(sum(e.primitive.name == "dot_general" and attention.SCOPE in s for e, s in walk(jaxpr)))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["2"]

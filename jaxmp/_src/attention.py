@@ -229,14 +229,16 @@ def _marked_jax_attention(original: Callable[..., Any]) -> Callable[..., Any]:
     return attention
 
 
-_INTERCEPTORS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+_INTERCEPTORS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {}
 
 
-def register_interceptor(factory: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
-    """Adds a context manager factory entered by `intercept`: an integration that marks its
-    library's attention (`jaxmp.linen` for Flax Linen's)."""
-    if factory not in _INTERCEPTORS:
-        _INTERCEPTORS.append(factory)
+def register_interceptor(
+    name: str, factory: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> None:
+    """Sets the context manager factory `intercept` enters for library `name`: an integration
+    that marks its library's attention (``"flax.linen"``: `jaxmp.linen`). A later
+    registration under the same name replaces the earlier one."""
+    _INTERCEPTORS[name] = factory
 
 
 # Whether a function is being traced inside `intercept` (`dot_product_attention` marks itself).
@@ -251,7 +253,7 @@ def intercept() -> Iterator[None]:
     _INTERCEPTING.append(True)
     try:
         with contextlib.ExitStack() as stack:
-            for factory in _INTERCEPTORS:
+            for factory in list(_INTERCEPTORS.values()):
                 stack.enter_context(factory())
             yield
     finally:
