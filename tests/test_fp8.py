@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import jaxmp
-from jaxmp._src import fp8
+from jaxmp._src import fp8_dot, fp8_scaling
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 NP_FORMATS = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
@@ -231,9 +231,9 @@ def test_autocast_rejects_what_is_not_a_recipe():
 def test_per_tensor_quantisation_matches_numpy(name, fmt):
     x = known_arrays()[name]
     q_ref, scale_ref = np_current(x, fmt)
-    exponent = jax.jit(lambda x: fp8.tensor_exponent(x, fmt, jnp.float32))(x)
+    exponent = jax.jit(lambda x: fp8_scaling.tensor_exponent(x, fmt, jnp.float32))(x)
     scale = np.float32(2.0 ** int(exponent))
-    q = jax.jit(fp8.quantize, static_argnums=2)(x, scale, fmt)
+    q = jax.jit(fp8_scaling.quantize, static_argnums=2)(x, scale, fmt)
     assert q.dtype == fmt
     assert np.float32(scale) == scale_ref
     np.testing.assert_array_equal(bits(q), bits(q_ref))
@@ -242,7 +242,9 @@ def test_per_tensor_quantisation_matches_numpy(name, fmt):
 @pytest.mark.parametrize("name", ["gaussian", "outliers"])
 def test_block_quantisation_matches_numpy(name):
     x = known_arrays()[name]
-    run = jax.jit(fp8.quantize_blocks, static_argnums=(1, 2, 3), static_argnames="power_of_two")
+    run = jax.jit(
+        fp8_scaling.quantize_blocks, static_argnums=(1, 2, 3), static_argnames="power_of_two"
+    )
     # Activation tiles: 1x128.
     q, scale_inv = run(x[None], E4M3, 128, 1)
     q_ref, s_ref = np_tiles(x, 128, E4M3)
@@ -260,7 +262,9 @@ def test_block_quantisation_matches_numpy(name):
 def test_mx_quantisation_matches_the_rounded_up_ocp_rule(name, fmt):
     x = known_arrays()[name]
     x = x * np.float32(2.0**-20)  # far from 1: the shared exponents are not near zero
-    run = jax.jit(fp8.quantize_blocks, static_argnums=(1, 2, 3), static_argnames="power_of_two")
+    run = jax.jit(
+        fp8_scaling.quantize_blocks, static_argnums=(1, 2, 3), static_argnames="power_of_two"
+    )
     q, scale_inv = run(x[None], fmt, 32, 1, power_of_two=True)
     q_ref, scales_ref = np_mx(x, 32, fmt)
     np.testing.assert_array_equal(bits(q.reshape(x.shape)), bits(q_ref))
@@ -287,7 +291,9 @@ def quantisation_errors(x):
     errors = {"current": error(q.astype(np.float32) / scale)}
     scale = np_max(e4m3) / np.float32(np.max(np.abs(x)) * 0.5)
     errors["delayed"] = error(np_quantize(x, scale, e4m3).astype(np.float32) / scale)
-    blocks = jax.jit(fp8.quantize_blocks, static_argnums=(1, 2, 3), static_argnames="power_of_two")
+    blocks = jax.jit(
+        fp8_scaling.quantize_blocks, static_argnums=(1, 2, 3), static_argnames="power_of_two"
+    )
     for name, tile, rows, pow2 in [
         ("block (1x128)", 128, 1, False),
         ("block (128x128)", 128, 128, False),
@@ -341,7 +347,7 @@ def operands(seed=0, m=24, k=300, n=136):
 
 def test_current_scaling_product_is_the_fp8_product():
     x, w = operands()
-    y = jax.jit(lambda x, w: fp8.fp8_dot_general(x, w, DIMS, RECIPES[0], jnp.float32))(x, w)
+    y = jax.jit(lambda x, w: fp8_dot.fp8_dot_general(x, w, DIMS, RECIPES[0], jnp.float32))(x, w)
     qx, sx = np_current(x, E4M3)
     qw, sw = np_current(w, E4M3)
     expected = qx.astype(np.float64) @ qw.astype(np.float64) / (np.float64(sx) * np.float64(sw))
@@ -351,7 +357,7 @@ def test_current_scaling_product_is_the_fp8_product():
 def test_block_scaling_product_is_the_tiled_fp8_product():
     x, w = operands(k=256)
     y = jax.jit(
-        lambda x, w: fp8.fp8_dot_general(
+        lambda x, w: fp8_dot.fp8_dot_general(
             x, w, DIMS, jaxmp.Float8BlockScaling(), jnp.float32, weights=(False, True)
         )
     )(x, w)
@@ -373,7 +379,7 @@ def test_forward_and_backward_against_float32_within_the_formats_tolerance(recip
     def loss(x, w, fn):
         return jnp.sum(fn(x, w) * c)  # the gradient reaching the product is `c` exactly
 
-    fp8_fn = jax.jit(lambda x, w: fp8.fp8_dot_general(x, w, DIMS, recipe, jnp.float32))
+    fp8_fn = jax.jit(lambda x, w: fp8_dot.fp8_dot_general(x, w, DIMS, recipe, jnp.float32))
     f32_fn = jax.jit(lambda x, w: x @ w)
     assert rel_err(fp8_fn(x, w), f32_fn(x, w)) <= product_tolerance(E4M3, E4M3)
     grads = jax.jit(jax.grad(lambda x, w: loss(x, w, fp8_fn), (0, 1)))(x, w)
@@ -388,7 +394,7 @@ def test_the_backward_products_are_fp8_products_of_the_gradient():
     c = np.random.default_rng(1).standard_normal((x.shape[0], w.shape[1])).astype(np.float32)
     recipe = RECIPES[0]
     dx, dw = jax.grad(
-        lambda x, w: jnp.sum(fp8.fp8_dot_general(x, w, DIMS, recipe, jnp.float32) * c), (0, 1)
+        lambda x, w: jnp.sum(fp8_dot.fp8_dot_general(x, w, DIMS, recipe, jnp.float32) * c), (0, 1)
     )(x, w)
     qg, sg = np_current(c, E5M2)
     qx, sx = np_current(x, E4M3)
@@ -416,12 +422,12 @@ def test_general_dimension_numbers_forward_and_backward(recipe, lhs_shape, rhs_s
     b = rng.standard_normal(rhs_shape).astype(np.float32)
     ref = lax.dot_general(a, b, dims)
     c = rng.standard_normal(ref.shape).astype(np.float32)
-    out = jax.jit(lambda a, b: fp8.fp8_dot_general(a, b, dims, recipe, jnp.float32))(a, b)
+    out = jax.jit(lambda a, b: fp8_dot.fp8_dot_general(a, b, dims, recipe, jnp.float32))(a, b)
     assert out.shape == ref.shape
     assert rel_err(out, ref) <= product_tolerance(E4M3, E4M3)
 
     def loss(a, b):
-        return jnp.sum(fp8.fp8_dot_general(a, b, dims, recipe, jnp.float32) * c)
+        return jnp.sum(fp8_dot.fp8_dot_general(a, b, dims, recipe, jnp.float32) * c)
 
     got = jax.jit(jax.grad(loss, (0, 1)))(a, b)
     want = jax.grad(lambda a, b: jnp.sum(lax.dot_general(a, b, dims) * c), (0, 1))(a, b)
@@ -433,19 +439,21 @@ def test_general_dimension_numbers_forward_and_backward(recipe, lhs_shape, rhs_s
 def test_operands_keep_their_dtypes_and_the_output_has_the_compute_dtype():
     x, w = operands()
     x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(x, w, DIMS, RECIPES[0], jnp.bfloat16), x, w)
+    y, vjp = jax.vjp(
+        lambda x, w: fp8_dot.fp8_dot_general(x, w, DIMS, RECIPES[0], jnp.bfloat16), x, w
+    )
     assert y.dtype == jnp.bfloat16
     dx, dw = vjp(jnp.ones_like(y))
     assert dx.dtype == dw.dtype == jnp.bfloat16
 
 
 def test_amax_zero_and_non_finite_keep_a_usable_scale():
-    scales = jax.jit(lambda a: fp8.scale_from_amax(a, E4M3))(
+    scales = jax.jit(lambda a: fp8_scaling.scale_from_amax(a, E4M3))(
         jnp.asarray([0.0, jnp.inf, jnp.nan, 1e-45, 448.0], jnp.float32)
     )
     np.testing.assert_array_equal(
         np.asarray(scales)[:3], np.ones(3, np.float32)
     )  # nothing to scale by: 1
     assert np.isfinite(scales[3]) and scales[4] == 1.0
-    y = fp8.fp8_dot_general(jnp.zeros((2, 3)), jnp.ones((3, 2)), DIMS, RECIPES[0], jnp.float32)
+    y = fp8_dot.fp8_dot_general(jnp.zeros((2, 3)), jnp.ones((3, 2)), DIMS, RECIPES[0], jnp.float32)
     np.testing.assert_array_equal(y, 0.0)

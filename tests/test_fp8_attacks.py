@@ -25,7 +25,7 @@ from flax import nnx
 import jaxmp
 import jaxmp.linen
 import jaxmp.nnx
-from jaxmp._src import fp8
+from jaxmp._src import fp8, fp8_dot, fp8_scaling
 from tests.test_fp8 import E4M3, E5M2, np_max, product_tolerance
 
 DIMS = (((1,), (0,)), ((), ()))
@@ -74,7 +74,7 @@ def test_a_non_finite_operand_gives_a_non_finite_product_where_the_plain_one_doe
     x[2, 5] = bad
     site = fp8.initial_site_state((), recipe.history_len) if recipe.stateful else None
     out = jax.jit(
-        lambda x, w, site: fp8.fp8_dot_general(x, w, DIMS, recipe, jnp.float32, site=site)
+        lambda x, w, site: fp8_dot.fp8_dot_general(x, w, DIMS, recipe, jnp.float32, site=site)
     )(x, w, site)
     plain = x @ w
     np.testing.assert_array_equal(np.isfinite(out), np.isfinite(plain))
@@ -82,7 +82,7 @@ def test_a_non_finite_operand_gives_a_non_finite_product_where_the_plain_one_doe
     # The other rows are the FP8 product of the finite values, not garbage from a scale
     # that the non-finite value spoilt.
     others = np.delete(np.arange(8), 2)
-    reference = fp8.fp8_dot_general(x[others], w, DIMS, recipe, jnp.float32, site=site)
+    reference = fp8_dot.fp8_dot_general(x[others], w, DIMS, recipe, jnp.float32, site=site)
     np.testing.assert_allclose(out[others], reference, rtol=1e-6, atol=1e-6)
 
 
@@ -96,7 +96,7 @@ def test_a_non_finite_gradient_gives_non_finite_operand_gradients(recipe):
     site = fp8.initial_site_state((), recipe.history_len) if recipe.stateful else None
 
     def loss(x, w, site):
-        return jnp.sum(fp8.fp8_dot_general(x, w, DIMS, recipe, jnp.float32, site=site) * c)
+        return jnp.sum(fp8_dot.fp8_dot_general(x, w, DIMS, recipe, jnp.float32, site=site) * c)
 
     dx, dw, new_site = jax.jit(jax.grad(loss, (0, 1, 2)))(x, w, site)
     plain_dx, plain_dw = jax.grad(lambda x, w: jnp.sum((x @ w) * c), (0, 1))(x, w)
@@ -214,12 +214,14 @@ def test_all_zero_blocks_are_exact(recipe):
     w = np.ones((96, 8), np.float32)
     site = fp8.initial_site_state((), recipe.history_len) if recipe.stateful else None
     out = jax.jit(
-        lambda x, w, site: fp8.fp8_dot_general(x, w, DIMS, recipe, jnp.float32, site=site)
+        lambda x, w, site: fp8_dot.fp8_dot_general(x, w, DIMS, recipe, jnp.float32, site=site)
     )(x, w, site)
     assert np.all(np.isfinite(out))
     np.testing.assert_array_equal(np.delete(np.asarray(out), 1, axis=0), 0.0)
     np.testing.assert_allclose(out[1], 55.0, rtol=product_tolerance(E4M3, E4M3))
-    zeros = jax.jit(lambda w: fp8.fp8_dot_general(jnp.zeros((4, 96)), w, DIMS, recipe, jnp.float32))
+    zeros = jax.jit(
+        lambda w: fp8_dot.fp8_dot_general(jnp.zeros((4, 96)), w, DIMS, recipe, jnp.float32)
+    )
     if not recipe.stateful:
         np.testing.assert_array_equal(zeros(w), 0.0)
 
@@ -256,9 +258,9 @@ def test_mx_block_maxima_never_saturate(fmt):
     maxima = np.exp2(rng.uniform(-20, 20, 64)).astype(np.float32)
     x = (rng.uniform(-0.5, 0.5, (64, 32)) * maxima[:, None]).astype(np.float32)
     x[:, 0] = maxima
-    q, scale_inv = jax.jit(lambda x: fp8.quantize_blocks(x[None], fmt, 32, power_of_two=True))(
-        jnp.asarray(x)
-    )
+    q, scale_inv = jax.jit(
+        lambda x: fp8_scaling.quantize_blocks(x[None], fmt, 32, power_of_two=True)
+    )(jnp.asarray(x))
     dequantized = np.asarray(q[0, :, 0, :], np.float32) * np.asarray(scale_inv[0])
     # The block's maximum is within the format's rounding of its value, never clipped.
     unit = (
@@ -277,7 +279,7 @@ def test_mx_block_maxima_never_saturate(fmt):
 
 def test_mx_exponent_is_the_smallest_that_holds_the_block_maximum():
     amax = jnp.asarray([448.0, 448.5, 449.0, 896.0, 1.0, 1.8, 2.0**-120, 0.0], jnp.float32)
-    exponent = np.asarray(jax.jit(lambda a: fp8.mx_exponent(a, E4M3))(amax))
+    exponent = np.asarray(jax.jit(lambda a: fp8_scaling.mx_exponent(a, E4M3))(amax))
     for a, e in zip(np.asarray(amax), exponent, strict=True):
         if a == 0:
             continue

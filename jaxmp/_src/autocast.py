@@ -822,17 +822,24 @@ def autocast(
     policy = policy_lib.as_policy(policy, arg="policy")
     low, f32 = _resolve_ops(low_precision_ops, float32_ops)
     if fp8 is not None or fp8_exclude is not None:
-        from jaxmp._src import fp8 as fp8_lib
-        from jaxmp._src import fp8_autocast
-
         if fp8 is None:
             raise TypeError("`fp8_exclude` needs an FP8 recipe: pass `fp8=` too.")
-        recipe = fp8_lib.check_recipe(fp8)
-        exclude = fp8_autocast.compile_exclude(fp8_exclude)
-        return fp8_autocast.Float8Autocast(
-            fun, policy, low, f32, recipe, exclude, fused_attention=fused_attention
-        )
+        if not _FP8:  # pragma: no cover - `import jaxmp` registers it
+            raise RuntimeError("FP8 autocast is not registered: import jaxmp first.")
+        return _FP8[0](fun, policy, low, f32, fp8, fp8_exclude, fused_attention)
     return Autocast(fun, policy, low, f32, fused_attention=fused_attention)
+
+
+# The FP8 rule set (`jaxmp._src.fp8_autocast`, which builds on this module) is given to
+# `autocast` from above, as a function building its `Autocast` subclass from the arguments.
+_FP8: list[Callable[..., Autocast]] = []
+
+
+def register_fp8(build: Callable[..., Autocast]) -> None:
+    """Sets how `autocast` builds a function with an FP8 recipe: ``build(fun, policy,
+    low_precision_ops, float32_ops, recipe, exclude, fused_attention)``, the recipe and
+    `fp8_exclude` as the user gave them (it validates them)."""
+    _FP8[:] = [build]
 
 
 def autocast_jaxpr(

@@ -3,7 +3,7 @@
 ``jaxmp.autocast(fun, policy, fp8=recipe)`` evaluates `fun`'s jaxpr with autocast's rules
 (`jaxmp._src.autocast`), except that every ``dot_general`` (and, with a per-tensor recipe,
 every ``conv_general_dilated``) whose operands are floating runs in FP8
-(`jaxmp._src.fp8.fp8_dot_general`), its result in the policy's compute dtype. Matmuls whose
+(`jaxmp._src.fp8_dot.fp8_dot_general`), its result in the policy's compute dtype. Matmuls whose
 name stack matches ``fp8_exclude``, or inside `jaxmp.float32_region`, follow the policy.
 
 The state of `jaxmp.DelayedScaling` is one entry per FP8 matmul of the program, keyed by the
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp._src import autocast as autocast_lib
-from jaxmp._src import compat, fp8, interpret
+from jaxmp._src import compat, fp8, fp8_dot, interpret
 from jaxmp._src import policy as policy_lib
 
 #: Primitives run in FP8 (convolutions with a per-tensor recipe only).
@@ -238,7 +238,7 @@ class _Fp8Rules(autocast_lib._AutocastRules):
         w = autocast_lib._cast(rhs.value, dtype)
         site = self._site(position, where)
         if name == "dot_general":
-            out = fp8.fp8_dot_general(
+            out = fp8_dot.fp8_dot_general(
                 x,
                 w,
                 eqn.params["dimension_numbers"],
@@ -253,7 +253,7 @@ class _Fp8Rules(autocast_lib._AutocastRules):
                 params = {**eqn.params, "preferred_element_type": jnp.dtype(out)}
                 return compat.bind(eqn, [a, b], params)[0]
 
-            out = fp8.fp8_conv(x, w, conv, self.recipe, dtype, site=site)
+            out = fp8_dot.fp8_conv(x, w, conv, self.recipe, dtype, site=site)
         return [autocast_lib._Value(out, False)]
 
     def _reason(self, eqn: Any, vals: list[Any], region: bool, where: str) -> str:
@@ -545,6 +545,30 @@ class Float8Autocast(autocast_lib.Autocast):
     def __repr__(self) -> str:
         name = getattr(self._fun, "__name__", repr(self._fun))
         return f"jaxmp.autocast({name}, {self.policy!r}, fp8={self.fp8!r})"
+
+
+def _build(
+    fun: Callable[..., Any],
+    policy: policy_lib.Policy,
+    low_precision_ops: frozenset[str],
+    float32_ops: frozenset[str],
+    recipe: Any,
+    exclude: Any,
+    fused_attention: bool,
+) -> Float8Autocast:
+    """`jaxmp.autocast` with an FP8 recipe (registered with `autocast_lib.register_fp8`)."""
+    return Float8Autocast(
+        fun,
+        policy,
+        low_precision_ops,
+        float32_ops,
+        fp8.check_recipe(recipe),
+        compile_exclude(exclude),
+        fused_attention=fused_attention,
+    )
+
+
+autocast_lib.register_fp8(_build)
 
 
 def fp8_autocast(
