@@ -604,11 +604,14 @@ def _dispatch_linen_attention(arrays: dict[str, Any], options: dict[str, Any], d
         x = jnp.broadcast_to(x, (*lead, *x.shape[-dims:])) if x.ndim < len(lead) + dims else x
         return x.reshape((-1, *x.shape[-dims:]))
 
+    # A mask or bias may broadcast over any leading dimension: to (*lead, N, T, S) first.
+    logits = (*lead, q.shape[-2], q.shape[-3], k.shape[-3])
     bias, mask = arrays.get("bias"), arrays.get("mask")
     if bias is not None:
-        bias = batch(jnp.asarray(bias, q.dtype), 3)
+        bias = jnp.broadcast_to(bias, logits).reshape((-1, *logits[-3:]))
     if mask is not None:
-        mask = batch(mask if mask.dtype == jnp.bool_ else mask != 0, 3)
+        mask = mask if mask.dtype == jnp.bool_ else mask != 0
+        mask = jnp.broadcast_to(mask, logits).reshape((-1, *logits[-3:]))
     out = attention_lib.dot_product_attention(batch(q, 3), batch(k, 3), batch(v, 3), bias, mask)
     return out.reshape(q.shape)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,7 +105,7 @@ def dot_product_attention(
         raise ValueError(
             f"`implementation` must be one of None, 'xla', 'cudnn', got {implementation!r}."
         )
-    if implementation is None and _INTERCEPTING:
+    if implementation is None and _intercepting():
         # Traced by autocast (float32 operands of a float32 model, say): marked, so that
         # autocast calls this function again on the operands in the compute dtype.
         return _jax_attention(
@@ -126,6 +127,10 @@ def dot_product_attention(
 
     def run(implementation: str) -> Callable[..., jax.Array]:
         def call(query: Any, key: Any, value: Any, bias: Any, mask: Any) -> jax.Array:
+            if implementation == "cudnn" and bias is not None:
+                # cuDNN adds the bias in the operands' dtype; XLA's attention adds it to
+                # float32 logits, in the bias's own dtype.
+                bias = _to_compute(bias, query.dtype, clip=True)
             return _jax_attention(
                 query, key, value, bias, mask, **options, implementation=implementation
             )
@@ -241,24 +246,53 @@ def register_interceptor(
     _INTERCEPTORS[name] = factory
 
 
-# Whether a function is being traced inside `intercept` (`dot_product_attention` marks itself).
-_INTERCEPTING: list[bool] = []
+# The marks are installed once for every `intercept` open in any thread (a count under a
+# lock: nested autocast, the inspector over an autocast function, threads tracing at once),
+# and removed when the last one closes. A call marked outside autocast is harmless: the
+# marked ``jit`` runs the call as it is.
+_LOCK = threading.Lock()
+_OPEN: list[contextlib.ExitStack] = []  # the installed marks, while any `intercept` is open
+_DEPTH = threading.local()  # this thread's open `intercept`s (`dot_product_attention` marks)
+
+
+def _intercepting() -> bool:
+    return getattr(_DEPTH, "value", 0) > 0
+
+
+def _install() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    original = jax.nn.dot_product_attention
+    jax.nn.dot_product_attention = _marked_jax_attention(original)
+
+    def restore() -> None:
+        jax.nn.dot_product_attention = original
+
+    stack.callback(restore)
+    try:
+        for factory in list(_INTERCEPTORS.values()):
+            stack.enter_context(factory())
+    except BaseException:
+        stack.close()
+        raise
+    return stack
 
 
 @contextlib.contextmanager
 def intercept() -> Iterator[None]:
     """Marks the attention a function calls while it is traced inside this context."""
-    original = jax.nn.dot_product_attention
-    jax.nn.dot_product_attention = _marked_jax_attention(original)
-    _INTERCEPTING.append(True)
+    with _LOCK:
+        if not _OPEN:
+            _OPEN.append(_install())
+        _OPEN.append(_OPEN[0])  # one entry per open `intercept` after the installed marks
+    _DEPTH.value = getattr(_DEPTH, "value", 0) + 1
     try:
-        with contextlib.ExitStack() as stack:
-            for factory in list(_INTERCEPTORS.values()):
-                stack.enter_context(factory())
-            yield
+        yield
     finally:
-        _INTERCEPTING.pop()
-        jax.nn.dot_product_attention = original
+        _DEPTH.value -= 1
+        with _LOCK:
+            _OPEN.pop()
+            if len(_OPEN) == 1:
+                _OPEN.pop().close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,14 +315,31 @@ def _dispatch_jax(arrays: dict[str, Any], options: dict[str, Any], dtype: Any) -
 register_dispatcher("jax", _dispatch_jax)
 
 
+# The operands cast to the compute dtype. A bias stays as it is (XLA's attention adds it to
+# float32 logits; `dot_product_attention` casts it for cuDNN), so does a mask.
+_CAST = ("query", "key", "value")
+
+
+def _to_compute(x: Any, dtype: Any, *, clip: bool) -> Any:
+    """A floating operand in `dtype`; with `clip` (a bias for cuDNN) clipped to its finite
+    range first: a mask bias of -1e9 becomes the most negative value there instead of -inf,
+    which would make a fully masked row NaN."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    if clip and jnp.finfo(dtype).max < jnp.finfo(x.dtype).max:
+        finfo = jnp.finfo(dtype)
+        x = jnp.clip(x, float(finfo.min), float(finfo.max))
+    return x.astype(dtype)
+
+
 def dispatch(name: str, values: list[Any], compute_dtype: Any) -> list[Any]:
-    """The outputs of the marked attention ``jit`` named `name` on `values`, its floating
-    operands cast to `compute_dtype` (a boolean mask and int32 lengths stay as they are)."""
+    """The outputs of the marked attention ``jit`` named `name` on `values`, its query, key
+    and value cast to `compute_dtype` (a bias, masks and lengths as they are)."""
     spec = read_mark(name)
     arrays = {}
     for n, v in zip(spec["arrays"], values, strict=True):
-        if jnp.issubdtype(v.dtype, jnp.floating):
-            v = v.astype(compute_dtype)
+        if n in _CAST:
+            v = _to_compute(v, compute_dtype, clip=False)
         arrays[n] = v
     with jax.named_scope(SCOPE):
         out = _DISPATCHERS[spec["kind"]](arrays, spec["options"], compute_dtype)

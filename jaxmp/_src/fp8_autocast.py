@@ -166,6 +166,15 @@ class _Fp8Rules(autocast_lib._AutocastRules):
             return None
         prefix = "s" + self._levels[-1].prefix + "_"
         inside = {k: v for k, v in self._view.items() if k.startswith(prefix)}
+        length = int(eqn.params["length"])
+        for key, (history, _) in inside.items():
+            if history.shape[0] != length:
+                raise ValueError(
+                    f"the FP8 state's entry {key!r} holds {history.shape[0]} histories, one "
+                    f"per iteration, but this program's scan runs {length} times: the state "
+                    "was made for another program. Create it with `fp8_init` for this "
+                    "function and these argument shapes."
+                )
         return inside or None
 
     @contextlib.contextmanager
@@ -197,12 +206,20 @@ class _Fp8Rules(autocast_lib._AutocastRules):
             if name in _LAYOUT_OPS and outs is not None:
                 self._track_weights(vals, outs)
             return outs
+        marked = self.marked_attention(eqn)
+        if (marked or name == "custom_vjp_call") and not region:
+            # Their matmuls are not re-interpreted: listed, never in FP8.
+            reason = (
+                "in a fused attention (jaxmp.dot_product_attention)"
+                if marked
+                else "inside a custom_vjp function (run as traced)"
+            )
+            self._record_inner_matmuls(eqn, interp, reason)
         length = int(eqn.params["length"]) if name == "scan" else 0
         self._levels.append(_Level(position, length))
         stateless = name in _STATELESS_REGIONS
         self._no_state += stateless
         try:
-            marked = self.marked_attention(eqn)
             if self.recipe.stateful and name in ("jit", "pjit") and not region and not marked:
                 return interp.inline(eqn, vals)
             return super().apply(inner, index, eqn, vals, interp)
@@ -256,8 +273,15 @@ class _Fp8Rules(autocast_lib._AutocastRules):
             out = fp8_dot.fp8_conv(x, w, conv, self.recipe, dtype, site=site)
         return [autocast_lib._Value(out, False)]
 
+    def _excluded(self, where: str) -> str | None:
+        """The `exclude` pattern matching the name stack `where` (recorded as matched)."""
+        matched = [i for i, p in enumerate(self.exclude) if p.fullmatch(where)]
+        self._matched.update(matched)
+        return self.exclude[matched[0]].pattern if matched else None
+
     def _reason(self, eqn: Any, vals: list[Any], region: bool, where: str) -> str:
         """Why a matmul runs in FP8 ("fp8") or does not."""
+        excluded = self._excluded(where)
         if region:
             return "in jaxmp.float32_region"
         if eqn.primitive.name not in self.ctx.low_ops:
@@ -266,15 +290,30 @@ class _Fp8Rules(autocast_lib._AutocastRules):
             return "operands not floating"
         if eqn.primitive.name == "conv_general_dilated" and not self.recipe.per_tensor:
             return "a convolution: block scaling applies to matmuls only"
-        matched = [i for i, p in enumerate(self.exclude) if p.fullmatch(where)]
-        self._matched.update(matched)
-        if matched:
-            return f"excluded by {self.exclude[matched[0]].pattern!r}"
+        if excluded is not None:
+            return f"excluded by {excluded!r}"
         if eqn.primitive.name == "dot_general" and self.recipe.min_size:
             smallest = min(_gemm_sizes(eqn))
             if smallest < self.recipe.min_size:
                 return f"smaller than min_size ({smallest} < {self.recipe.min_size})"
         return "fp8"
+
+    def _record_inner_matmuls(self, eqn: Any, interp: Any, reason: str) -> None:
+        """Lists the matmuls of `eqn`'s sub-jaxprs, which autocast runs without its rules."""
+        outer = [part for kind, part in interp.location(eqn).name_stack if kind == "scope"]
+
+        def walk(jaxpr: Any, scopes: list[str]) -> None:
+            for inner in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+                here = scopes + [p for k, p in compat.name_stack_parts(inner) if k == "scope"]
+                if inner.primitive.name in FP8_OPS:
+                    where = "/".join(here)
+                    self._excluded(where)
+                    self.matmuls.append(Float8Matmul(where, inner.primitive.name, False, reason))
+                for sub in compat.jaxprs_in_params(inner.params):
+                    walk(sub, here)
+
+        for sub in compat.jaxprs_in_params(eqn.params):
+            walk(sub, outer)
 
     def finish(self) -> None:
         if self.listing:

@@ -28,6 +28,7 @@ from jax import lax
 from jaxmp._src.fp8 import ROLE_GRAD, ROLE_LHS, ROLE_RHS, MXFP8BlockScaling
 from jaxmp._src.fp8_scaling import (
     delayed_update,
+    finite_limit,
     observed_amax,
     quantize,
     quantize_blocks,
@@ -56,8 +57,10 @@ def quantize_tensor(
     dtype: Any,
     contract: Sequence[int],
     batch: Sequence[int],
+    dequant_dtypes: Sequence[Any],
 ) -> Quantized:
-    """`x` laid out (batch, free, contracted) and quantised with the scale ``2**exponent``.
+    """`x` laid out (batch, free, contracted) and quantised with the scale ``2**exponent``,
+    finite values saturating where they stay finite dequantised in `dequant_dtypes`.
 
     The transposition happens before the quantisation, in `x`'s own dtype, so no FP8 tensor
     is ever transposed: the FP8 GEMM reads both operands with the contracted dimensions
@@ -67,7 +70,8 @@ def quantize_tensor(
     free = [d for d in range(x.ndim) if d not in contract and d not in batch]
     laid_out = jnp.transpose(x, (*batch, *free, *contract))
     scale = jnp.ldexp(jnp.float32(1.0), exponent)
-    return Quantized(quantize(laid_out, scale, dtype), exponent)
+    limit = finite_limit(exponent, dtype, *dequant_dtypes)
+    return Quantized(quantize(laid_out, scale, dtype, limit), exponent)
 
 
 def dequantized_dot(
@@ -388,15 +392,15 @@ def _per_tensor_passes(
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
         el, er = _exponents(site, (ROLE_LHS, ROLE_RHS), (fwd, fwd), (lhs, rhs), dequant)
         out = dequantized_dot(
-            quantize_tensor(lhs, el, fwd, lc, lb),
-            quantize_tensor(rhs, er, fwd, rc, rb),
+            quantize_tensor(lhs, el, fwd, lc, lb, dequant),
+            quantize_tensor(rhs, er, fwd, rc, rb, dequant),
             len(lb),
             len(lc),
             out_dtype,
         )
         # The operands as the backward products contract them, saved in FP8.
-        rhs_q = quantize_tensor(rhs, er, fwd, dims_l[0][1], dims_l[1][1])
-        lhs_q = quantize_tensor(lhs, el, fwd, dims_r[0][0], dims_r[1][0])
+        rhs_q = quantize_tensor(rhs, er, fwd, dims_l[0][1], dims_l[1][1], dequant)
+        lhs_q = quantize_tensor(lhs, el, fwd, dims_r[0][0], dims_r[1][0], dequant)
         amaxes = None
         if site is not None:
             amaxes = (observed_amax(lhs, site[0]), observed_amax(rhs, site[0]))
@@ -405,9 +409,9 @@ def _per_tensor_passes(
     def backward(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
         rhs_q, lhs_q, amaxes, site = res
         (eg,) = _exponents(site, (ROLE_GRAD,), (bwd,), (g,), (lhs_dtype, rhs_dtype))
-        g_l = quantize_tensor(g, eg, bwd, dims_l[0][0], dims_l[1][0])
+        g_l = quantize_tensor(g, eg, bwd, dims_l[0][0], dims_l[1][0], (lhs_dtype, rhs_dtype))
         d_lhs = dequantized_dot(g_l, rhs_q, len(dims_l[1][0]), len(dims_l[0][0]), lhs_dtype)
-        g_r = quantize_tensor(g, eg, bwd, dims_r[0][1], dims_r[1][1])
+        g_r = quantize_tensor(g, eg, bwd, dims_r[0][1], dims_r[1][1], (lhs_dtype, rhs_dtype))
         d_rhs = dequantized_dot(lhs_q, g_r, len(dims_r[1][0]), len(dims_r[0][0]), rhs_dtype)
         new_site = _updated_site(site, amaxes, g, recipe)
         return jnp.transpose(d_lhs, axes_l), jnp.transpose(d_rhs, axes_r), new_site
@@ -461,7 +465,8 @@ def fp8_conv(
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
 
     def dequantized(x: jax.Array, exponent: jax.Array, fmt: Any, dtype: Any) -> jax.Array:
-        q = quantize(x, jnp.ldexp(jnp.float32(1.0), exponent), fmt)
+        limit = finite_limit(exponent, fmt, dtype)
+        q = quantize(x, jnp.ldexp(jnp.float32(1.0), exponent), fmt, limit)
         return q.astype(dtype) * jnp.ldexp(jnp.float32(1.0), -exponent).astype(dtype)
 
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:

@@ -109,17 +109,41 @@ def scale_from_amax(amax_value: jax.Array, dtype: Any) -> jax.Array:
     return jnp.minimum(scale, jnp.float32(_F32_MAX))
 
 
-def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``x * scale`` in float32, saturated to the format's range and cast to FP8 (nearest).
+def quantize(
+    x: jax.Array, scale: jax.Array, dtype: Any, limit: jax.Array | None = None
+) -> jax.Array:
+    """``x * scale`` in float32, saturated and cast to FP8 (nearest).
 
-    Finite values saturate at the format's largest value; infinities and NaNs stay what they
-    are (E4M3 has no infinity: they become NaN), so that an overflow before quantisation is
-    never turned into a finite number.
+    Finite values saturate at `limit` (the format's largest value by default); infinities
+    and NaNs stay what they are (E4M3 has no infinity: they become NaN), so that an overflow
+    before quantisation is never turned into a finite number.
     """
-    limit = jnp.float32(fp8_max(dtype))
+    if limit is None:
+        limit = jnp.float32(fp8_max(dtype))
     x = x.astype(jnp.float32)
     q = jnp.clip(x * scale, -limit, limit)
     return jnp.where(jnp.isinf(x), x, q).astype(dtype)
+
+
+def finite_limit(exponent: jax.Array, fp8_dtype: Any, *dequant_dtypes: Any) -> jax.Array:
+    """The largest FP8 value that, dequantised by ``2**-exponent``, is finite in every one of
+    `dequant_dtypes` (float32 scalar).
+
+    A finite value just below a dtype's largest (65,000 in float16) is scaled into the FP8
+    format's top binade and may round up to an FP8 value whose dequantised value is beyond
+    the dtype's range: inf, where the plain product is finite. Saturating at this limit
+    instead keeps every finite value finite.
+    """
+    limit = jnp.float32(fp8_max(fp8_dtype))
+    for dtype in dequant_dtypes:
+        reach = jnp.ldexp(jnp.float32(jnp.finfo(dtype).max), exponent)  # inf when beyond f32
+        reach = jnp.minimum(reach, jnp.float32(fp8_max(fp8_dtype)))
+        nearest = reach.astype(fp8_dtype)
+        bits = lax.bitcast_convert_type(nearest, jnp.uint8)
+        below = lax.bitcast_convert_type(bits - jnp.uint8(1), fp8_dtype)  # the next lower
+        value = jnp.where(nearest.astype(jnp.float32) > reach, below, nearest)
+        limit = jnp.minimum(limit, value.astype(jnp.float32))
+    return limit
 
 
 def _emax(dtype: Any) -> int:
