@@ -7,18 +7,23 @@ inspected step every N steps, a plain one otherwise). Three measurements:
 
 1. Traces: each step is jitted once and called for every round; a Python counter in the loss
    function counts its traces (one per jitted step is the promise: never once per call).
-2. The first call of each jitted step: trace, lower, compile and one run (once each: the
-   inspected step of the full model compiles for minutes on 2 CPU cores).
+2. The first call of each jitted step: trace and lower, compile, and one run, each timed (wall
+   clock, and the process's CPU time for the compile: on a machine shared with other jobs
+   the wall clock of a compile is the more inflated), once each.
 3. Step time: both compiled steps run in interleaved rounds (one call of each per round, in
    alternating order), median over the rounds; and what inspecting every N steps adds to the
    mean step time.
-4. Where a row's time goes: the statistics of one float16 output of the size of the main
-   job's MLP activations (32 x 64 x 512), with and without the exponent histogram, against
-   one elementwise add over the same array (``--rows-only`` runs only this).
+4. Where a row's time goes: the statistics of 8 float16 outputs of the size of the main job's
+   MLP activations (32 x 64 x 512), measured together as the inspector measures rows of one
+   size, per row, against one elementwise add over the same array (``--rows-only`` runs only
+   this).
+
+``--every N`` and ``--modules REGEX`` inspect a sample of the ops (`jaxmp.inspect`'s options).
 
 Run from the repository root::
 
     PYTHONPATH=. python benchmarks/inspect_cost.py            # the main job's model, ~5 min
+    PYTHONPATH=. python benchmarks/inspect_cost.py --every 4  # one op output in 4
     PYTHONPATH=. python benchmarks/inspect_cost.py --quick    # a tiny model, 5 rounds
     PYTHONPATH=. python benchmarks/inspect_cost.py --rows-only    # measurement 4, ~10 s
 """
@@ -50,7 +55,13 @@ from jaxmp._src import inspector  # noqa: E402
 TINY = ("num_layers=1", "num_heads=2", "d_model=32", "mlp_ratio=2", "seq_len=16", "batch_size=8")
 
 
-def make_steps(config: config_lib.Config, vocab_size: int, traces: list[str]):
+def make_steps(
+    config: config_lib.Config,
+    vocab_size: int,
+    traces: list[str],
+    every: int = 1,
+    modules: str | None = None,
+):
     """The plain and the inspected train step (unjitted); each trace appends to `traces`."""
     built = train.programs(config, vocab_size)
     model, tx = built.model, built.tx
@@ -64,7 +75,9 @@ def make_steps(config: config_lib.Config, vocab_size: int, traces: list[str]):
         return fn
 
     grad = jaxmp.value_and_grad(counted("plain"))
-    inspected = jaxmp.inspect(jaxmp.value_and_grad(counted("inspected")))
+    inspected = jaxmp.inspect(
+        jaxmp.value_and_grad(counted("inspected")), every=every, modules=modules
+    )
 
     def update(state, grads):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -85,18 +98,19 @@ def make_steps(config: config_lib.Config, vocab_size: int, traces: list[str]):
 
 def row_cost(rounds: int = 15) -> None:
     """Milliseconds of one row's statistics, interleaved medians (measurement 4)."""
-    x = jax.random.normal(jax.random.key(0), (32, 64, 512)).astype(jnp.float16)
+    rows = 8
+    x = jax.random.normal(jax.random.key(0), (rows, 32 * 64 * 512)).astype(jnp.float16)
     ref = x.astype(jnp.float32) * 1.0001  # a float32 reference, as under a policy
     formats = inspector.DEFAULT_FORMATS
 
     def record(v, r):
-        return inspector._measure(v, r, jnp.bool_(True), jnp.int32(0), formats)
+        return inspector._measure(v.astype(jnp.float32), r, formats)
 
     fns = {
         "one elementwise add (for scale)": jax.jit(lambda v, r: v.astype(jnp.float32) + r),
         "row statistics": jax.jit(record),
-        "without the histogram": jax.jit(lambda v, r: record(v, r)._replace(hist=None)),
         "the histogram alone": jax.jit(lambda v, r: record(v, r).hist),
+        "the extremes alone": jax.jit(lambda v, r: record(v, r).maxima),
     }
     for fn in fns.values():
         jax.block_until_ready(fn(x, ref))
@@ -105,10 +119,14 @@ def row_cost(rounds: int = 15) -> None:
         for name, fn in fns.items():
             t0 = time.perf_counter()
             jax.block_until_ready(fn(x, ref))
-            times[name].append(time.perf_counter() - t0)
-    print(f"\nOne row: float16[32,64,512] with its float32 reference, median of {rounds} rounds\n")
-    rows = [[name, f"{statistics.median(t) * 1e3:.1f}"] for name, t in times.items()]
-    print(_hlo.table(["program", "ms"], rows))
+            times[name].append((time.perf_counter() - t0) / rows)
+    print(
+        f"\nOne row: float16[32,64,512] with its float32 reference, {rows} rows measured "
+        f"together, per row, median of {rounds} rounds (the extremes and the histogram each "
+        "include what they share)\n"
+    )
+    table = [[name, f"{statistics.median(t) * 1e3:.1f}"] for name, t in times.items()]
+    print(_hlo.table(["program", "ms"], table))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="step-time rounds")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 5 rounds")
     parser.add_argument("--rows-only", action="store_true", help="only measurement 4")
+    parser.add_argument("--every", type=int, default=1, help="inspect one op output in N")
+    parser.add_argument("--modules", default=None, help="inspect these modules (a regex)")
     args = parser.parse_args(argv)
     if args.rows_only:
         print(_hlo.machine())
@@ -128,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     config = config_lib.load(args.config, overrides)
     dataset = train.get_dataset(config.val_fraction)
     traces: list[str] = []
-    built, steps = make_steps(config, dataset.vocab_size, traces)
+    built, steps = make_steps(config, dataset.vocab_size, traces, args.every, args.modules)
     state = built.init(jax.random.PRNGKey(config.seed))
     batch = data_lib.train_batch(dataset.train, config.seed, 0, config.batch_size, config.seq_len)
     print(_hlo.machine())
@@ -140,20 +160,36 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     t_start = time.perf_counter()
-    jitted = {name: jax.jit(step) for name, step in steps.items()}
+    jitted: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
-    first_call = {}
-    for name, fn in jitted.items():
+    parts: dict[str, dict[str, float]] = {}
+    for name, step in steps.items():
         t0 = time.perf_counter()
-        outputs[name] = jax.block_until_ready(fn(state, *batch))
-        first_call[name] = time.perf_counter() - t0
+        lowered = jax.jit(step).lower(state, *batch)
+        t1, c1 = time.perf_counter(), time.process_time()
+        jitted[name] = lowered.compile()
+        t2, c2 = time.perf_counter(), time.process_time()
+        outputs[name] = jax.block_until_ready(jitted[name](state, *batch))
+        t3 = time.perf_counter()
+        parts[name] = {
+            "trace and lower": t1 - t0,
+            "compile": t2 - t1,
+            "compile, CPU": c2 - c1,
+            "first run": t3 - t2,
+            "first call": t3 - t0,
+        }
     report = outputs["inspected"][2]
-    print(f"\nFirst call: trace, lower, compile, run (the inspected step has {len(report)} rows)\n")
-    rows = [
-        [name, f"{first_call[name]:.1f}", f"{first_call[name] / first_call['plain']:.1f}"]
-        for name in jitted
+    sampled = f", sampled: {report.sampling}" if report.sampling else ""
+    print(f"\nFirst call (the inspected step has {len(report)} rows{sampled})\n")
+    table = [
+        [
+            what,
+            *(f"{parts[n][what]:.1f}" for n in jitted),
+            f"{parts['inspected'][what] / parts['plain'][what]:.1f}",
+        ]
+        for what in parts["plain"]
     ]
-    print(_hlo.table(["step", "first call s", "vs plain"], rows))
+    print(_hlo.table(["seconds", *jitted, "ratio"], table))
 
     # Step time: interleaved rounds, each step advancing its own state.
     states = {name: out[0] for name, out in outputs.items()}

@@ -405,6 +405,320 @@ def test_fault_is_named_with_module_and_line(model, fault, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
+# Where a non-finite value comes from: an op, an argument or a constant.
+
+
+def masked_softmax(x):
+    mask = jnp.array([[True, True], [False, False]])  # the second row entirely masked
+    scores = jnp.where(mask, x, -jnp.inf)  # SOURCE masked
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def test_first_nonfinite_of_an_entirely_masked_softmax_row():
+    x = jnp.ones((2, 2))
+    out, report = jax.jit(jaxmp.inspect(masked_softmax))(x)
+    assert np.isnan(out[1]).all()
+    first = report.first_nonfinite
+    assert first is not None and first.created_nonfinite
+    # -inf - -inf: the NaN jax_debug_nans names, made from inputs that hold no NaN.
+    assert (
+        debug_check(masked_softmax, (x,), "nans")
+        == (first.primitive, first.line)
+        == ("sub", first.line)
+    )
+    # The -inf came from a constant, not from an op: it is reported as the source.
+    (source,) = report.nonfinite_sources
+    assert (source.kind, source.nan, source.inf) == ("constant", 0, 1)
+    assert source.line == fault_line_of("SOURCE masked") and source.file == __file__
+    text = report.table()
+    assert "first non-finite value: sub (forward)" in text
+    assert f"test_inspector.py:{source.line}" in text.splitlines()[2]
+
+
+def test_first_nonfinite_names_the_op_reading_a_nan_parameter():
+    def loss(params, x):
+        return jnp.tanh(x @ params["w"]).sum()
+
+    params = {"w": jnp.ones((2, 2)).at[0, 0].set(jnp.nan)}
+    x = jnp.ones((1, 2))
+    _, report = jax.jit(jaxmp.inspect(loss))(params, x)
+    assert sum(r.nan > 0 for r in report.rows) == 3
+    first = report.first_nonfinite
+    assert first is not None and not first.created_nonfinite  # it read the NaN, made none
+    assert debug_check(loss, (params, x), "nans")[0] == first.primitive == "dot_general"
+    (source,) = report.nonfinite_sources
+    assert (source.kind, source.name, source.nan, source.inf) == ("argument", "args[0]['w']", 1, 0)
+    assert "argument args[0]['w'] (1 NaN)" in report.table()
+    assert report.to_dict()["nonfinite_sources"][0]["name"] == "args[0]['w']"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # JAX's, 1e5
+def test_a_literal_that_overflows_float16_is_a_nonfinite_source():
+    def loss(w):
+        return jnp.sum(w.astype(jnp.float16) * 1e5).astype(jnp.float32)  # SOURCE literal
+
+    (value, grads), report = jax.jit(jaxmp.inspect(jax.value_and_grad(loss)))(jnp.ones(3))
+    assert np.isinf(value) and not np.isfinite(grads).any()
+    first = report.first_nonfinite
+    assert (first.primitive, first.phase) == ("mul", "forward")
+    assert first.line == fault_line_of("SOURCE literal") and not first.created_nonfinite
+    # 1e5 is inf in float16 already when traced: the literal is where the inf comes from.
+    (source,) = report.nonfinite_sources
+    assert (source.kind, source.name, source.dtype, source.inf) == ("constant", "inf", "float16", 1)
+    assert source.line == fault_line_of("SOURCE literal")
+    assert "none (every value is finite)" not in report.table()
+    (gradient,) = report.find("mul", phase="backward")
+    assert gradient.inf == gradient.ref_nonfinite == 3 and gradient.dtype == "float16"
+    # The suggestion says the gradients are inf, and inf in float32 too: no scale helps.
+    suggestion = report.suggest_loss_scale()
+    assert suggestion.nonfinite == suggestion.reference_nonfinite == 3
+    assert "3 backward values were NaN or inf" in str(suggestion)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_suggest_loss_scale_when_no_backward_value_is_finite():
+    def loss(w):
+        return jnp.sum(w * jnp.inf)
+
+    _, report = jaxmp.inspect(jax.value_and_grad(loss))(jnp.ones(3))
+    assert [r.inf for r in report.rows if r.phase == "backward"] == [3]
+    # Not "every backward value is zero": they are inf.
+    with pytest.raises(
+        ValueError,
+        match=r"None of the backward values is finite and nonzero \(3 are NaN or inf\).*"
+        "first non-finite value: mul",
+    ):
+        report.suggest_loss_scale()
+
+
+def test_first_nonfinite_is_none_only_when_every_measured_value_is_finite():
+    _, report = jax.jit(jaxmp.inspect(lambda x: jnp.exp(x) * 2.0))(jnp.ones(3))
+    assert report.first_nonfinite is None and report.nonfinite_sources == []
+    assert "first non-finite value: none (every value is finite)" in report.table()
+
+
+def fault_line_of(marker):
+    source = pathlib.Path(__file__).read_text().splitlines()
+    (line,) = [i + 1 for i, text in enumerate(source) if text.endswith(f"# {marker}")]
+    return line
+
+
+# ---------------------------------------------------------------------------------------------
+# jaxmp's own ops are not the user's code.
+
+
+def test_jaxmps_own_ops_point_at_the_users_call_and_rank_last(tmp_path):
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2) + 2.0
+
+    inspected = jaxmp.inspect(jaxmp.value_and_grad(loss), "mixed_float16")
+
+    @jax.jit
+    def step(loss_scale, w, x):
+        return inspected(loss_scale, w, x)  # CALL jaxmp
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 4
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    _, report = step(jaxmp.DynamicLossScale(2.0**15), w, x)
+    jaxmp_dir = pathlib.Path(jaxmp.__file__).parent
+    assert not [r for r in report.rows if pathlib.Path(r.file).is_relative_to(jaxmp_dir)]
+    # The loss scale's multiply: 2.x * 2^15 overflows float16, but it is float32 by design.
+    own = [r for r in report.rows if r.library == "jaxmp"]
+    scale_mul = [r for r in own if r.primitive == "mul" and r.phase == "forward"]
+    assert scale_mul and scale_mul[0].overflow["float16"] == 1.0
+    assert all((r.file, r.line) == (__file__, fault_line_of("CALL jaxmp")) for r in own)
+    assert all(r.library == "" for r in report.rows if r not in own)
+    ranked = report.worst(None)
+    assert all(r.library == "" for r in ranked[: len(ranked) - len(own)])
+    assert "mul [jaxmp]" in report.table(None) and "mul [jaxmp]" not in report.table(3)
+    # Nor do they take part in the figure or the loss scale suggestion.
+    fig = report.plot(tmp_path / "f.png")
+    assert not [t.get_text() for ax in fig.axes for t in ax.texts if "overflow" in t.get_text()]
+    suggestion = report.suggest_loss_scale(2.0**15)
+    user = [r for r in report.rows if r.phase == "backward" and r.dtype == "float16"]
+    user = [r for r in user if not r.library]
+    assert suggestion.rows == len(user) and suggestion.max_abs == max(r.ref_max_abs for r in user)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost: no statistics of constants, one reduction per size, sampling.
+
+
+def test_constants_are_computed_and_measured_once_while_tracing():
+    def f(x):
+        c = jnp.exp(jnp.float32(3.0)) * jnp.full(4, 1e-30)  # depends on no argument
+        return jnp.sin(x) * c
+
+    inspected = jaxmp.inspect(f)
+    out, report = jax.jit(inspected)(jnp.ones(4))
+    np.testing.assert_array_equal(out, f(jnp.ones(4)))
+    assert [r.primitive for r in report.rows][-2:] == ["sin", "mul"]
+    (exp,) = report.find("exp")
+    assert exp.max_abs == float(np.exp(np.float32(3.0)))
+    constant = report.rows[-3]  # exp(3) * 1e-30, measured with numpy
+    assert (constant.primitive, constant.nonzero, constant.flush["float16"]) == ("mul", 4, 1.0)
+    # Neither the constants nor their statistics are left for XLA to compute (or fold).
+    text = jax.jit(inspected).lower(jnp.ones(4)).as_text()
+    assert "stablehlo.exponential" not in text
+    assert text.count('"stablehlo.scatter"(') == 1
+
+
+def test_rows_of_one_size_are_measured_together():
+    def f(x):
+        values = []
+        for k in range(30):
+            values.append(jnp.sin(x))
+            x = values[-1] * (1.0 + k)
+            values.append(x)
+        return values
+
+    inspected = jaxmp.inspect(f)
+    x = jnp.linspace(0.0, 1.0, 64)
+    _, report = jax.jit(inspected)(x)
+    assert len(report) == 60
+    text = jax.jit(inspected).lower(x).as_text()
+    # One scatter (the histograms) for all 60 rows, not one per row.
+    assert text.count('"stablehlo.scatter"(') == 1
+    # And the statistics are those of each row alone.
+    values, report = jax.jit(inspected)(x)
+    for row, value in zip(report.rows, values, strict=True):
+        want = numpy_stats(value)
+        assert (row.max_abs, row.min_abs, row.nonzero) == (want["max_abs"], want["min_abs"], 63)
+        np.testing.assert_array_equal(row.histogram, want["histogram"])
+
+
+def test_rows_measured_in_several_batches_are_the_same(monkeypatch):
+    # Values wait to be measured together until their body ends or 256 MiB of them wait;
+    # with a limit of one byte every row is a batch of its own, and reads the NaN and inf
+    # flags of its inputs from earlier batches.
+    def f(x):
+        h = jnp.sin(x) * 3.0
+        y = jnp.log(h - 1.0)  # NaN where sin(x) * 3 < 1
+        return lax.scan(lambda c, v: (c + jnp.exp(v), None), jnp.zeros(()), y)[0] / h.sum()
+
+    x = jnp.linspace(-1.0, 1.0, 8)
+    _, together = jax.jit(jaxmp.inspect(f))(x)
+    monkeypatch.setattr(inspector, "_PENDING_BYTES", 1)
+    _, apart = jax.jit(jaxmp.inspect(f))(x)
+    assert [r.primitive for r in apart.rows] == [r.primitive for r in together.rows]
+    for a, b in zip(apart.rows, together.rows, strict=True):
+        # Exact but for the floats: XLA fuses the two programs differently (an ulp apart).
+        floats = {"max_abs", "min_abs", "ref_max_abs", "rel_error"}
+        da, db = a.to_dict(), b.to_dict()
+        assert {k: v for k, v in da.items() if k not in floats} == {
+            k: v for k, v in db.items() if k not in floats
+        }
+        for k in floats:
+            np.testing.assert_allclose(
+                np.asarray(da[k], float), np.asarray(db[k], float), rtol=TOLERANCE[F32]
+            )
+    assert together.first_nonfinite.primitive == apart.first_nonfinite.primitive == "log"
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=str)
+def test_rows_of_different_sizes_and_dtypes_measured_together(dtype):
+    # Padded with zeros to the longest of their group: no statistic may see the padding.
+    def f(a, b, c):
+        return [jnp.abs(a), jnp.abs(b) * 2, jnp.abs(c).astype(dtype)]
+
+    rng = np.random.default_rng(2)
+    a = known_values(dtype)[:37]
+    b = (rng.standard_normal(300) * 1e-3).astype(dtype)
+    c = rng.standard_normal(5).astype(np.float32)
+    outs, report = jax.jit(jaxmp.inspect(f))(a, b, c)
+    rows = [
+        r for r in report.rows if r.primitive != "convert_element_type" or r.dtype == dtype.name
+    ]
+    for out in outs:
+        (row,) = [r for r in rows if r.shape == out.shape and r.dtype == out.dtype.name][-1:]
+        want = numpy_stats(out)
+        assert (row.nan, row.inf, row.nonzero) == (want["nan"], want["inf"], want["nonzero"])
+        assert (row.max_abs, row.min_abs) == (want["max_abs"], want["min_abs"])
+        assert row.flush == want["flush"] and row.overflow == want["overflow"]
+        np.testing.assert_array_equal(row.histogram, want["histogram"])
+
+
+def test_every_and_modules_sample_the_rows():
+    def f(x):
+        with jax.named_scope("encoder"):
+            x = jnp.sin(x) + 1.0
+        with jax.named_scope("decoder"):
+            x = jnp.cos(x) * 2.0
+        return jnp.exp(x)
+
+    x = jnp.ones(3)
+    full = jaxmp.inspect(f)(x)[1]
+    assert [r.primitive for r in full.rows] == ["sin", "add", "cos", "mul", "exp"]
+    every = jaxmp.inspect(f, every=2)(x)[1]
+    assert [r.primitive for r in every.rows] == ["sin", "cos", "exp"]
+    decoder = jaxmp.inspect(f, modules="^dec")(x)[1]
+    assert [r.primitive for r in decoder.rows] == ["cos", "mul"]
+    assert "sampled" in decoder.table()
+    with pytest.raises(ValueError, match="`every` must be a positive int, got 0"):
+        jaxmp.inspect(f, every=0)
+    with pytest.raises(ValueError, match="`modules` must be a regular expression.*'enc\\['"):
+        jaxmp.inspect(f, modules="enc[")
+
+
+def test_sampled_out_ops_still_tell_where_a_nan_came_from():
+    def f(x):
+        y = jnp.log(x)  # NaN for x < 0: sampled out
+        return jnp.sin(y) + jnp.cos(y)
+
+    _, report = jaxmp.inspect(f, every=2)(jnp.array([-1.0, 1.0]))
+    assert [r.primitive for r in report.rows] == ["log", "cos"]
+    assert report.first_nonfinite.primitive == "log"
+    _, report = jaxmp.inspect(f, modules="nothing")(jnp.array([-1.0, 1.0]))
+    assert len(report) == 0 and report.first_nonfinite is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Under jax.vmap; finding rows.
+
+
+def test_vmap_of_inspect_reads_over_the_whole_batch():
+    def f(x):
+        return jnp.exp(x) / 3.0
+
+    xs = jnp.array([[1.0, 100.0], [0.5, -2.0], [3.0, 1e-30]])
+    _, batched = jax.vmap(jaxmp.inspect(f))(xs)
+    _, whole = jaxmp.inspect(jax.vmap(f))(xs)
+    assert [r.primitive for r in batched.rows] == [r.primitive for r in whole.rows]
+    for a, b in zip(batched.rows, whole.rows, strict=True):
+        assert (a.nan, a.inf, a.nonzero, a.max_abs, a.min_abs) == (
+            b.nan,
+            b.inf,
+            b.nonzero,
+            b.max_abs,
+            b.min_abs,
+        )
+        assert a.flush == b.flush and a.overflow == b.overflow
+        np.testing.assert_array_equal(a.histogram, b.histogram)
+        assert a.calls == 3 and a.shape == (2,)
+    assert batched.first_nonfinite.primitive == whole.first_nonfinite.primitive == "exp"
+    assert "exp" in str(batched)
+
+
+def test_find_checks_its_arguments():
+    _, report = jaxmp.inspect(jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(w @ w))))(
+        jnp.ones((2, 2))
+    )
+    assert report.find("dot_general") and report.find("exp") == []  # a primitive, not here
+    with pytest.raises(
+        ValueError,
+        match="`primitive` must name a JAX primitive, got 'dot_generl'; did you mean 'dot_general'",
+    ):
+        report.find("dot_generl")
+    with pytest.raises(
+        ValueError,
+        match="`phase` must be 'forward' or 'backward', got 'fwd'; did you mean 'forward'",
+    ):
+        report.find(phase="fwd")
+    with pytest.raises(ValueError, match="`module` must be a module path of the report"):
+        report.find(module="encoder")
+
+
+# ---------------------------------------------------------------------------------------------
 # Under jit, inside a train step.
 
 
@@ -479,6 +793,20 @@ def test_suggest_loss_scale_against_numpy():
     assert suggestion.current_underflow == np.mean(grads * 8.0 < 2.0**-25) == 1 / 5
     assert suggestion.loss_scale * 320 / 8.0 * 2 <= 65504 < suggestion.loss_scale * 320 / 8.0 * 4
     assert "2^9" in str(suggestion)
+    # The loss scale objects `jaxmp.value_and_grad` takes are read as their current scale.
+    for scale in (
+        jaxmp.DynamicLossScale(8.0),
+        jaxmp.StaticLossScale(8.0),
+        jnp.float32(8.0),
+        np.float16(8.0),
+    ):
+        assert report.suggest_loss_scale(scale) == suggestion
+    with pytest.raises(ValueError, match="`loss_scale` must be a positive number or a loss scale"):
+        report.suggest_loss_scale("8")
+    with pytest.raises(ValueError, match="`loss_scale` must be a positive number or a loss scale"):
+        report.suggest_loss_scale(jaxmp.NoOpLossScale().adjust(True).__class__)
+    with pytest.raises(TypeError, match="concrete.*outside `jax.jit`"):
+        jax.jit(lambda s: report.suggest_loss_scale(s).loss_scale)(jaxmp.DynamicLossScale(8.0))
     with pytest.raises(ValueError, match="`margin` must be a number of at least 1"):
         report.suggest_loss_scale(margin=0.5)
 

@@ -347,14 +347,14 @@ jaxmp.Float8BlockScaling: class(tile_size: 'int' = 128, weight_block_size: 'int'
 jaxmp.Float8CurrentScaling: class(fwd_dtype: 'Any' = dtype(float8_e4m3fn), bwd_dtype: 'Any' = dtype(float8_e5m2), min_size: 'int' = 0) -> None
 jaxmp.Float8Matmul: class(name: 'str', primitive: 'str', fp8: 'bool', reason: 'str')
 jaxmp.Float8State: class(amax_history: 'dict[str, jax.Array]', scale: 'dict[str, jax.Array]', names: 'tuple[tuple[str, str], ...]' = ()) -> None
-jaxmp.Inspect: class(fun: 'Callable[..., Any]', policy: 'policy_lib.Policy | None', formats: 'tuple[str, ...]')
+jaxmp.Inspect: class(fun: 'Callable[..., Any]', policy: 'policy_lib.Policy | None', formats: 'tuple[str, ...]', every: 'int' = 1, modules: 're.Pattern[str] | None' = None)
 jaxmp.KahanSummationState: class(compensation: 'Any', inner_state: 'Any')
 jaxmp.LOW_PRECISION_OPS: frozenset
 jaxmp.LossScale: class()
 jaxmp.LossScale.adjust: (self, grads_finite: 'ArrayLike') -> 'LossScale'
 jaxmp.LossScale.scale: (self, tree: 'T') -> 'T'
 jaxmp.LossScale.unscale: (self, tree: 'T') -> 'T'
-jaxmp.LossScaleSuggestion: class(loss_scale: 'float', underflow: 'float', current_underflow: 'float', max_abs: 'float', margin: 'float', format: 'str', rows: 'int')
+jaxmp.LossScaleSuggestion: class(loss_scale: 'float', underflow: 'float', current_underflow: 'float', max_abs: 'float', margin: 'float', format: 'str', rows: 'int', nonfinite: 'int' = 0, reference_nonfinite: 'int' = 0)
 jaxmp.LossScalingState: class(inner_state: 'Any', loss_scale: 'loss_scale_lib.LossScale', grads_finite: 'jax.Array', skipped_steps: 'jax.Array', consecutive_skipped_steps: 'jax.Array')
 jaxmp.MXFP8BlockScaling: class(block_size: 'int' = 32, fwd_dtype: 'Any' = dtype(float8_e4m3fn), bwd_dtype: 'Any' = dtype(float8_e5m2), min_size: 'int' = 0) -> None
 jaxmp.MasterWeightsState: class(master: 'Any', inner_state: 'Any', saturated_steps: 'jax.Array')
@@ -363,7 +363,7 @@ jaxmp.NoOpLossScale.adjust: (self, grads_finite: 'ArrayLike') -> 'NoOpLossScale'
 jaxmp.NoOpLossScale.loss_scale: property
 jaxmp.NoOpLossScale.scale: (self, tree: 'T') -> 'T'
 jaxmp.NoOpLossScale.unscale: (self, tree: 'T') -> 'T'
-jaxmp.OpStats: class(index: 'int', primitive: 'str', module: 'str', phase: 'str', file: 'str', line: 'int', function: 'str', shape: 'tuple[int, ...]', dtype: 'str', output: 'int', loops: 'tuple[str, ...]', calls: 'int', max_abs: 'float', min_abs: 'float | None', nan: 'int', inf: 'int', nonzero: 'int', flush: 'dict[str, float]', overflow: 'dict[str, float]', underflow: 'float | None', rel_error: 'float | None', ref_max_abs: 'float', created_nonfinite: 'bool', histogram: 'np.ndarray') -> None
+jaxmp.OpStats: class(index: 'int', primitive: 'str', module: 'str', phase: 'str', file: 'str', line: 'int', function: 'str', shape: 'tuple[int, ...]', dtype: 'str', output: 'int', loops: 'tuple[str, ...]', calls: 'int', max_abs: 'float', min_abs: 'float | None', nan: 'int', inf: 'int', nonzero: 'int', flush: 'dict[str, float]', overflow: 'dict[str, float]', underflow: 'float | None', rel_error: 'float | None', ref_max_abs: 'float', created_nonfinite: 'bool', histogram: 'np.ndarray', library: 'str' = '', ref_nonfinite: 'int' = 0) -> None
 jaxmp.OpStats.location: property
 jaxmp.OpStats.op: property
 jaxmp.OpStats.to_dict: (self) -> 'dict[str, Any]'
@@ -376,11 +376,12 @@ jaxmp.Policy.needs_loss_scaling: property
 jaxmp.Policy.with_compute_dtype: (self, compute_dtype: 'DTypeLike') -> 'Policy'
 jaxmp.Policy.with_output_dtype: (self, output_dtype: 'DTypeLike') -> 'Policy'
 jaxmp.Policy.with_param_dtype: (self, param_dtype: 'DTypeLike') -> 'Policy'
-jaxmp.Report: class(stats: 'Stats', metas: 'tuple[_Meta, ...]', formats: 'tuple[str, ...]', reference: 'bool') -> None
+jaxmp.Report: class(stats: 'Stats', metas: 'tuple[_Meta, ...]', formats: 'tuple[str, ...]', reference: 'bool', source_counts: 'Any' = <factory>, sources: 'tuple[_Origin, ...]' = (), sampling: 'str' = '', constants: 'tuple[tuple[str, int], ...]' = ()) -> None
 jaxmp.Report.find: (self, primitive: 'str | None' = None, *, module: 'str | None' = None, phase: 'str | None' = None, line: 'int | None' = None) -> 'list[OpStats]'
 jaxmp.Report.first_nonfinite: property
+jaxmp.Report.nonfinite_sources: property
 jaxmp.Report.plot: (self, path: 'str | os.PathLike[str] | None' = None, **kwargs: 'Any') -> 'Any'
-jaxmp.Report.suggest_loss_scale: (self, loss_scale: 'float' = 1.0, *, margin: 'float' = 2.0, format: 'str' = 'float16') -> 'LossScaleSuggestion'
+jaxmp.Report.suggest_loss_scale: (self, loss_scale: 'ArrayLike | loss_scale_lib.LossScale' = 1.0, *, margin: 'float' = 2.0, format: 'str' = 'float16') -> 'LossScaleSuggestion'
 jaxmp.Report.table: (self, limit: 'int | None' = 40) -> 'str'
 jaxmp.Report.to_dict: (self) -> 'dict[str, Any]'
 jaxmp.Report.to_json: (self, indent: 'int | None' = None) -> 'str'
@@ -404,7 +405,7 @@ jaxmp.get_loss_scale: (opt_state: 'Any') -> 'loss_scale_lib.LossScale'
 jaxmp.get_policy: (policy_name: 'str | Policy') -> 'Policy'
 jaxmp.half_dtype: () -> 'Any'
 jaxmp.inner_state: (opt_state: 'Any') -> 'Any'
-jaxmp.inspect: (fun: 'Callable[..., Any]', policy: 'policy_lib.Policy | str | None' = None, *, formats: 'Sequence[str]' = ('float16', 'bfloat16', 'float8_e4m3fn', 'float8_e5m2')) -> 'Inspect'
+jaxmp.inspect: (fun: 'Callable[..., Any]', policy: 'policy_lib.Policy | str | None' = None, *, formats: 'Sequence[str]' = ('float16', 'bfloat16', 'float8_e4m3fn', 'float8_e5m2'), every: 'int' = 1, modules: 'str | re.Pattern[str] | None' = None) -> 'Inspect'
 jaxmp.kahan_summation: (inner: 'optax.GradientTransformation', dtype: 'DTypeLike | None' = None) -> 'optax.GradientTransformationExtraArgs'
 jaxmp.loss_scale_metrics: (opt_state: 'Any') -> 'dict[str, jax.Array]'
 jaxmp.loss_scaling: (inner: 'optax.GradientTransformation', loss_scale: 'loss_scale_lib.LossScale | None' = None, *, axis_name: 'Any' = None, check_outputs: 'bool' = False) -> 'optax.GradientTransformationExtraArgs'

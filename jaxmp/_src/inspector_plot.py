@@ -66,7 +66,7 @@ def plot(
     if not isinstance(max_modules, int) or max_modules < 1:
         raise ValueError(f"`max_modules` must be a positive int, got {max_modules!r}.")
     plt = _pyplot()
-    rows = report.rows
+    rows = [r for r in report.rows if not r.library]  # jaxmp's own ops are not the model's
     fmt0 = report.formats[0]
     # Modules in program order of their first row; the ones holding the most values kept.
     order: dict[str, int] = {}

@@ -143,6 +143,16 @@ class Rules:
         del inputs
         return contextlib.nullcontext()
 
+    def body(self, interp: Interpreter) -> contextlib.AbstractContextManager[Any]:
+        """Entered around each body whose records are collected on their own.
+
+        A loop body or condition, a ``cond`` branch, a ``jit`` or ``checkpoint`` body. Records
+        a rule set adds with `Interpreter.emit` before the context exits are the body's: one
+        that measures its values together (the inspector) emits them there.
+        """
+        del interp
+        return contextlib.nullcontext()
+
     def finish(self) -> None:
         """Called once the whole program is evaluated: checks that need all of it."""
 
@@ -311,7 +321,8 @@ class Interpreter:
         self._metas, self._arrays, self._clock, self._ticks = [], [], clock, 0
         body = _Body()
         try:
-            yield body
+            with self.rules.body(self):
+                yield body
             body.metas, body.arrays, body.clock = self._metas, self._arrays, self._now()
         finally:
             self._metas, self._arrays, self._clock, self._ticks = saved
