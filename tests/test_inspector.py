@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
+import subprocess
 import sys
 import traceback
 
@@ -636,6 +638,51 @@ def test_rows_of_different_sizes_and_dtypes_measured_together(dtype):
         assert (row.max_abs, row.min_abs) == (want["max_abs"], want["min_abs"])
         assert row.flush == want["flush"] and row.overflow == want["overflow"]
         np.testing.assert_array_equal(row.histogram, want["histogram"])
+
+
+SHARDED = """
+import json, jax, jax.numpy as jnp, numpy as np, jaxmp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+mesh = Mesh(np.array(jax.devices()), ("b",))
+
+def f(x, w):
+    h = jnp.tanh(x @ w) * 3.0
+    return jnp.log(h - 2.0).sum(), h[:, :4].mean()
+
+x = jax.random.normal(jax.random.key(0), (8, 16)) * 2
+w = jax.random.normal(jax.random.key(1), (16, 16))
+inspected = jax.jit(jaxmp.inspect(f))
+_, single = inspected(x, w)
+xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+ws = jax.device_put(w, NamedSharding(mesh, P()))
+_, sharded = inspected(xs, ws)
+text = inspected.lower(xs, ws).compile().as_text()
+moves = sum(text.count(op) for op in ("all-gather(", "collective-permute(", "all-to-all("))
+rows = [
+    (r.primitive, r.nan, r.inf, r.nonzero, r.flush, r.overflow, r.histogram.tolist())
+    for r in (single, sharded) for r in r.rows
+]
+half = len(rows) // 2
+print(json.dumps({
+    "same": rows[:half] == rows[half:],
+    "first": [r.first_nonfinite.primitive for r in (single, sharded)],
+    "devices": len(jax.devices()),
+    "moves": moves,
+}))
+"""
+
+
+def test_rows_on_several_devices_are_those_of_one():
+    # Values of different shardings are not stacked together: that would move them between
+    # devices (24 all-gathers here). The statistics are the same as on one device.
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result == {"same": True, "first": ["log", "log"], "devices": 4, "moves": 0}
 
 
 def test_every_and_modules_sample_the_rows():

@@ -1027,6 +1027,16 @@ _PENDING_BYTES = 1 << 28
 _LARGE = 1 << 16
 
 
+def _placement(x: Any) -> Any:
+    """A key equal for values that can be stacked without moving data between devices."""
+    group = compat.sharding_group(x)
+    try:
+        hash(group)
+    except TypeError:
+        return str(group)
+    return group
+
+
 def _bucket(x: Any) -> int:
     size = int(np.size(x))
     if size >= _LARGE:
@@ -1338,11 +1348,13 @@ class _InspectRules(interpret.Rules):
         checks = [e for e in pending.entries if e.meta is None]
         rows = device + host
         # Grouped by the float dtypes they are measured in (float16 and bfloat16 widened to
-        # float32, exactly) and size.
+        # float32, exactly), size, and where they live: stacking values of two shardings
+        # would move them between devices (`compat.sharding_group`).
         device_groups: dict[Any, list[_Entry]] = {}
         for e in device:
             key = (_layout(e.value.dtype), None if e.ref is None else _layout(e.ref.dtype))
-            device_groups.setdefault((*key, _bucket(e.value)), []).append(e)
+            place = (_placement(e.value), None if e.ref is None else _placement(e.ref))
+            device_groups.setdefault((*key, _bucket(e.value), place), []).append(e)
         host_groups: dict[Any, list[_Entry]] = {}
         for e in host:
             assert e.host is not None
@@ -1350,7 +1362,8 @@ class _InspectRules(interpret.Rules):
             host_groups.setdefault(key, []).append(e)
         check_groups: dict[Any, list[_Entry]] = {}
         for e in checks:
-            check_groups.setdefault((_layout(e.value.dtype), _bucket(e.value)), []).append(e)
+            check_key = (_layout(e.value.dtype), _bucket(e.value), _placement(e.value))
+            check_groups.setdefault(check_key, []).append(e)
 
         def stacked(xs: list[Any]) -> Any:
             # Padded with zeros, which change no statistic (no count, extreme or norm); one
@@ -1368,7 +1381,7 @@ class _InspectRules(interpret.Rules):
         positions: dict[int, tuple[int, int]] = {}  # row -> (group, position in it)
         order: list[_Entry] = []  # the entries measured on device, in the order of `nan`
         nans, infs = [], []
-        for (_, ref_dtype, _), members in device_groups.items():
+        for (_, ref_dtype, _, _), members in device_groups.items():
             refs = None if ref_dtype is None else stacked([e.ref for e in members])
             group = _measure(stacked([e.value for e in members]), refs, self.formats)
             hist = group.hist.reshape(len(members), _KINDS, -1)
