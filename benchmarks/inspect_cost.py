@@ -50,7 +50,7 @@ from lm import config as config_lib  # noqa: E402
 from lm import data as data_lib  # noqa: E402
 
 import jaxmp  # noqa: E402
-from jaxmp._src import inspector  # noqa: E402
+from jaxmp._src.inspector import stats as inspector_stats  # noqa: E402
 
 TINY = ("num_layers=1", "num_heads=2", "d_model=32", "mlp_ratio=2", "seq_len=16", "batch_size=8")
 
@@ -101,10 +101,10 @@ def row_cost(rounds: int = 15) -> None:
     rows = 8
     x = jax.random.normal(jax.random.key(0), (rows, 32 * 64 * 512)).astype(jnp.float16)
     ref = x.astype(jnp.float32) * 1.0001  # a float32 reference, as under a policy
-    formats = inspector.DEFAULT_FORMATS
+    formats = inspector_stats.DEFAULT_FORMATS
 
     def record(v, r):
-        return inspector._measure(v.astype(jnp.float32), r, formats)
+        return inspector_stats._measure(v.astype(jnp.float32), r, formats)
 
     fns = {
         "one elementwise add (for scale)": jax.jit(lambda v, r: v.astype(jnp.float32) + r),

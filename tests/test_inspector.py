@@ -21,6 +21,8 @@ from jax import lax
 
 import jaxmp
 from jaxmp._src import inspector
+from jaxmp._src.inspector import locations as inspector_locations
+from jaxmp._src.inspector import rules as inspector_rules
 from tests.conftest import BF16, F16, F32, TOLERANCE
 
 FORMATS = inspector.DEFAULT_FORMATS
@@ -542,6 +544,13 @@ def test_jaxmps_own_ops_point_at_the_users_call_and_rank_last(tmp_path):
     assert suggestion.rows == len(user) and suggestion.max_abs == max(r.ref_max_abs for r in user)
 
 
+def test_jaxmps_own_code_is_the_whole_package():
+    # An op whose innermost frame is anywhere in jaxmp (jaxmp/nnx.py, jaxmp/linen.py, not only
+    # jaxmp/_src) is jaxmp's own: `_own_dir` is the package's directory, wherever this module is.
+    own = pathlib.Path(inspector_locations._own_dir())
+    assert own == pathlib.Path(jaxmp.__file__).resolve().parent
+
+
 # ---------------------------------------------------------------------------------------------
 # Cost: no statistics of constants, one reduction per size, sampling.
 
@@ -600,7 +609,7 @@ def test_rows_measured_in_several_batches_are_the_same(monkeypatch):
 
     x = jnp.linspace(-1.0, 1.0, 8)
     _, together = jax.jit(jaxmp.inspect(f))(x)
-    monkeypatch.setattr(inspector, "_PENDING_BYTES", 1)
+    monkeypatch.setattr(inspector_rules, "_PENDING_BYTES", 1)
     _, apart = jax.jit(jaxmp.inspect(f))(x)
     assert [r.primitive for r in apart.rows] == [r.primitive for r in together.rows]
     for a, b in zip(apart.rows, together.rows, strict=True):

@@ -1,7 +1,9 @@
 """The figure of `jaxmp.Report.plot`: per-module exponent histograms against format ranges.
 
 matplotlib is imported here, on use: it is not a dependency of jaxmp (it comes with the
-``examples`` extra).
+``examples`` extra). The figure depends on the report, never the other way: this module
+registers `plot` with `jaxmp._src.inspector.report` when it is imported (by the package's
+``__init__``), and `Report.plot` calls it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxmp._src import inspector
+from jaxmp._src.inspector import report as report_lib
+from jaxmp._src.inspector import stats as stats_lib
 
 _PHASES = (
     ("forward", "forward values (activations)", "C0"),
@@ -38,7 +41,7 @@ def _pyplot() -> Any:
 
 def _format_range(fmt: str) -> tuple[float, float, float]:
     """log2 of ``(smallest subnormal, smallest normal, largest finite)`` of `fmt`."""
-    info = ml_dtypes.finfo(inspector._format_dtype(fmt))
+    info = ml_dtypes.finfo(stats_lib._format_dtype(fmt))
     return (
         math.log2(float(info.smallest_subnormal)),
         math.log2(float(info.smallest_normal)),
@@ -56,7 +59,7 @@ def _short_module(name: str, width: int = 40) -> str:
 
 
 def plot(
-    report: inspector.Report,
+    report: report_lib.Report,
     path: str | os.PathLike[str] | None = None,
     *,
     max_modules: int = 32,
@@ -81,7 +84,7 @@ def plot(
     def group(module: str) -> str:
         return module if module in kept else "(other modules)"
 
-    n_bins = inspector.EXPONENT_MAX - inspector.EXPONENT_MIN + 1
+    n_bins = stats_lib.EXPONENT_MAX - stats_lib.EXPONENT_MIN + 1
     hist = {(m, p): np.zeros(n_bins, np.int64) for m in modules for p, _, _ in _PHASES}
     flushed = {(m, p): 0 for m in modules for p, _, _ in _PHASES}
     over = {(m, p): 0 for m in modules for p, _, _ in _PHASES}
@@ -95,9 +98,9 @@ def plot(
     # The x range: where the values are, and at least the first format's range.
     used = np.flatnonzero(np.sum(list(hist.values()), axis=0)) if hist else np.array([], int)
     sub0, _, max0 = _format_range(fmt0)
-    lo = min([sub0 - 3] + ([inspector.EXPONENT_MIN + int(used[0]) - 2] if len(used) else []))
-    hi = max([max0 + 3] + ([inspector.EXPONENT_MIN + int(used[-1]) + 3] if len(used) else []))
-    lo, hi = max(lo, inspector.EXPONENT_MIN - 1), min(hi, inspector.EXPONENT_MAX + 2)
+    lo = min([sub0 - 3] + ([stats_lib.EXPONENT_MIN + int(used[0]) - 2] if len(used) else []))
+    hi = max([max0 + 3] + ([stats_lib.EXPONENT_MIN + int(used[-1]) + 3] if len(used) else []))
+    lo, hi = max(lo, stats_lib.EXPONENT_MIN - 1), min(hi, stats_lib.EXPONENT_MAX + 2)
 
     n = len(modules)
     fig = plt.figure(figsize=(6.2 * len(phases) + 2.6, 2.6 + 0.42 * n + 0.3 * len(report.formats)))
@@ -108,7 +111,7 @@ def plot(
         hspace=0.08,
         wspace=0.05,
     )
-    edges = np.arange(inspector.EXPONENT_MIN, inspector.EXPONENT_MAX + 2)
+    edges = np.arange(stats_lib.EXPONENT_MIN, stats_lib.EXPONENT_MAX + 2)
     for col, (phase, label, color) in enumerate(phases):
         ax_fmt = fig.add_subplot(grid[0, col])
         ax = fig.add_subplot(grid[1, col], sharex=ax_fmt)
@@ -189,4 +192,7 @@ def plot(
 
 
 def _short_dtype(name: str) -> str:
-    return inspector._short(name)
+    return stats_lib._short(name)
+
+
+report_lib.register_figure(plot)
