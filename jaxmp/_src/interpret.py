@@ -807,14 +807,12 @@ def trace_call(
     graph: bool,
     spec: ArgSpec,
     dynamic: Sequence[Any],
-    *,
-    before_call: Callable[[Any], None] | None = None,
 ) -> TracedCall:
     """Traces ``fun(*args, **kwargs)`` (`spec` merged with `dynamic`) to a jaxpr.
 
     With `graph`, the arguments are ``(nodes, others, state)`` of `split_graph_nodes`: the
     NNX modules are merged inside the trace and the state leaves the call changes become
-    outputs (None for those unchanged). `before_call` sees the merged arguments first.
+    outputs (None for those unchanged).
     """
     out_tree: list[Any] = []
     num_out: list[int] = []
@@ -824,8 +822,6 @@ def trace_call(
         if graph:
             nodes, others, state = call_args
             call_args, call_kwargs, read_state = nodes.merge(others, state)
-            if before_call is not None:
-                before_call((call_args, call_kwargs))
             before = jax.tree.leaves(state)
             out = fun(*call_args, **call_kwargs)
             after = jax.tree.leaves(read_state())
@@ -834,8 +830,6 @@ def trace_call(
             ]
             result = (out, new_leaves)
         else:
-            if before_call is not None:
-                before_call((call_args, call_kwargs))
             result = fun(*call_args, **call_kwargs)
         out_leaves, tree = jax.tree.flatten(result)
         out_tree.append(tree)
