@@ -287,7 +287,18 @@ def _init_and_step(
 
         return init, step
 
-    if approach == "jaxmp":
+    if approach in ("jaxmp", "autocast"):
+        step_loss = loss_fn
+        if approach == "autocast":
+            # The unmodified float32 model under `jaxmp.autocast`: no dtype in the model.
+            apply = jaxmp.autocast(
+                CharTransformer(config, dtype=F32, param_dtype=F32).apply, precision
+            )
+
+            def step_loss(params, tokens):
+                logits = apply({"params": params}, tokens[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
         loss_scale = jaxmp.DynamicLossScale(scale0) if scale0 != 1.0 else jaxmp.NoOpLossScale()
         tx = jaxmp.mixed_precision(adam, precision, loss_scale)
 
@@ -297,30 +308,7 @@ def _init_and_step(
         def step(carry, tokens):
             params, opt_state = carry
             loss_scale = jaxmp.get_loss_scale(opt_state)
-            loss, grads = jaxmp.value_and_grad(loss_fn)(loss_scale, params, tokens)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), loss
-
-        return init, step
-
-    if approach == "autocast":
-        # The unmodified float32 model under `jaxmp.autocast`: no dtype written in the model.
-        float32_model = CharTransformer(config, dtype=F32, param_dtype=F32)
-        apply = jaxmp.autocast(float32_model.apply, precision)
-        loss_scale = jaxmp.DynamicLossScale(scale0) if scale0 != 1.0 else jaxmp.NoOpLossScale()
-        tx = jaxmp.mixed_precision(adam, precision, loss_scale)
-
-        def autocast_loss(params, tokens):
-            logits = apply({"params": params}, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        def init(params):
-            return params, tx.init(params)
-
-        def step(carry, tokens):
-            params, opt_state = carry
-            loss_scale = jaxmp.get_loss_scale(opt_state)
-            loss, grads = jaxmp.value_and_grad(autocast_loss)(loss_scale, params, tokens)
+            loss, grads = jaxmp.value_and_grad(step_loss)(loss_scale, params, tokens)
             updates, opt_state = tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss
 
