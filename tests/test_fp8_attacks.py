@@ -115,7 +115,7 @@ def _float16_overflow_step(recipe, policy):
     f = jaxmp.autocast(mlp, policy, fp8=recipe)
     tx = jaxmp.mixed_precision(optax.sgd(0.1), policy)
     opt_state = tx.init(params)
-    x = jnp.full((4, 32), 0.01).at[1, 3].set(1e5 if policy == "mixed_float16" else 1e39)
+    x = jnp.full((4, 32), 0.01).at[1, 3].set(1e5 if policy == "mixed_float16" else np.inf)
     state = init_state(f, params, x)
 
     @jax.jit
@@ -141,8 +141,9 @@ def _float16_overflow_step(recipe, policy):
 @pytest.mark.parametrize("recipe", ALL, ids=ALL_IDS)
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_an_overflowing_input_is_a_skipped_step_with_every_recipe(recipe, policy):
-    # 1e5 is inf in float16 (1e39 in bfloat16): the plain model's loss is not finite and the
-    # step is skipped; quantisation must not turn the inf into FP8's largest value.
+    # 1e5 is inf in float16 (in bfloat16, with float32's range: inf itself): the plain model's
+    # loss is not finite and the step is skipped; quantisation must not turn the inf into
+    # FP8's largest value.
     params, new_params, opt_state, loss, new_state = _float16_overflow_step(recipe, policy)
     assert not np.isfinite(loss)
     metrics = jaxmp.loss_scale_metrics(opt_state)

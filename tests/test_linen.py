@@ -524,6 +524,8 @@ def test_policy_scope_fills_in_a_dtype_passed_down_from_a_default(overrides, exp
     assert dtypes == expected
 
 
+# Older Flax's `replicate` calls `jax.device_put_replicated`, which newer jax deprecates.
+@pytest.mark.filterwarnings("ignore:jax.device_put_replicated is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "float32"])
 def test_replicated_state_metrics_have_the_device_axis(policy):
     """`flax.jax_utils.replicate` (Flax's pmap examples) gives every metric the device

@@ -267,10 +267,14 @@ def test_no_module_is_over_the_line_limit():
 
 def _annotation(annotation: object) -> object:
     """An annotation as written: ``from __future__ import annotations`` strings as they are,
-    forward references (a NamedTuple's) by their text."""
+    forward references (a NamedTuple's) by their text. An evaluated annotation comes from a
+    dependency (the fields `jaxmp.linen.TrainState` inherits from Flax's), whose text changes
+    with its version (``jax.Array`` or ``jax.jaxlib._jax.Array``): it is left out."""
     if isinstance(annotation, typing.ForwardRef):
         return annotation.__forward_arg__
-    return annotation
+    if annotation is None or isinstance(annotation, str) or annotation is inspect.Parameter.empty:
+        return annotation
+    return inspect.Parameter.empty
 
 
 def _signature(obj: object) -> str:
@@ -422,7 +426,7 @@ jaxmp.value_and_grad: (fun: 'Callable[..., Any]', argnums: 'int | Sequence[int]'
 jaxmp.linen.FP8_STATE_KEY: str
 jaxmp.linen.Float8Apply: class(autocast: 'Float8Autocast')
 jaxmp.linen.Float8Apply.init: (self, variables: 'Mapping[str, Any]', *args: 'Any', **kwargs: 'Any') -> 'dict[str, Any]'
-jaxmp.linen.TrainState: class(step: int | jax.Array, apply_fn: collections.abc.Callable, params: flax.core.frozen_dict.FrozenDict[str, typing.Any], tx: optax._src.base.GradientTransformation, opt_state: Union[jax.Array, numpy.ndarray, numpy.bool, numpy.number, bool, int, float, complex, Iterable[ForwardRef('ArrayTree')], Mapping[Any, ForwardRef('ArrayTree')]], policy: 'policy_lib.Policy') -> None
+jaxmp.linen.TrainState: class(step, apply_fn, params, tx, opt_state, policy: 'policy_lib.Policy') -> None
 jaxmp.linen.TrainState.apply_gradients: (self, *, grads: 'Any', **kwargs: 'Any') -> 'TrainState'
 jaxmp.linen.TrainState.create: (cls, *, apply_fn: 'Callable[..., Any]', params: 'Any', tx: 'optax.GradientTransformation', policy: 'policy_lib.Policy | str', **kwargs: 'Any') -> 'TrainState'
 jaxmp.linen.TrainState.loss_scale: property

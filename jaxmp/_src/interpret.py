@@ -343,11 +343,11 @@ class Interpreter:
         for outer in self._outer:
             stack += compat.name_stack_parts(outer)
         stack += compat.name_stack_parts(eqn)
-        frames = compat.user_frames(eqn)
+        frames = _inside_trace(compat.user_frames(eqn))
         for outer in reversed(self._outer):  # an equation JAX made has the frames of its caller
             if frames:
                 break
-            frames = compat.user_frames(outer)
+            frames = _inside_trace(compat.user_frames(outer))
         return Location(tuple(stack), tuple(frames))
 
     # -- Evaluation.
@@ -800,6 +800,18 @@ class TracedCall:
     closed: Any
     out_tree: Any
     num_out: int
+
+
+def _inside_trace(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """`frames` up to the function `trace_call` traced: the frames of whoever called the
+    tracing (jax < 0.9 keeps them in a traceback) are not where an op was written."""
+    for i, (file, _, function) in enumerate(frames):
+        if file == __file__ and function.endswith(_TRACED_FUNCTION):
+            return frames[: i + 1]
+    return frames
+
+
+_TRACED_FUNCTION = "flat_fun"  # the name of the function `trace_call` traces
 
 
 def trace_call(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -116,12 +115,6 @@ class _Entry:
     held: bool = False
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["value", "ref"],
-    meta_fields=[],
-    drop_fields=["flag", "dynamic", "origin", "row"],
-)
 @dataclasses.dataclass(eq=False)
 class _Value:
     """A value under inspection: the program's array and its float32 reference (or None).
@@ -139,6 +132,16 @@ class _Value:
     dynamic: bool = True  # whether it depends on the function's arguments
     origin: locations._Origin | None = None  # for a constant: the source it is reported as
     row: bool = False  # for a constant: its NaN or inf were made by an op with a row
+
+
+# A pytree of its two arrays; the rest is dropped when it is flattened (a loop or branch body
+# starts over). Registered by hand: `register_dataclass(drop_fields=...)` rejects named
+# fields on the oldest jax supported (0.8.2).
+jax.tree_util.register_pytree_node(
+    _Value,
+    lambda v: ((v.value, v.ref), None),
+    lambda _, children: _Value(*children),
+)
 
 
 @dataclasses.dataclass
