@@ -2,7 +2,8 @@
 
 Precision policies, loss scales, and loss scaling and FP32 master weights as
 optax transformations; for less memory, stochastic rounding or Kahan summation of
-half-precision params and compressed optimizer states.
+half-precision params and compressed optimizer states; post-training quantisation (int8,
+FP8, int4) for inference.
 """
 
 import contextlib as _contextlib
@@ -44,6 +45,17 @@ from jaxmp._src.loss_scaling import LossScalingState, loss_scaling
 from jaxmp._src.master_weights import MasterWeightsState, master_weights
 from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
 from jaxmp._src.policy import Policy, get_policy
+from jaxmp._src.quantize import (
+    Float8Rowwise,
+    Int4WeightOnly,
+    Int8DynamicActivations,
+    Int8WeightOnly,
+    QuantizedArray,
+    QuantizedLeaf,
+    quantization_plan,
+    quantize,
+)
+from jaxmp._src.quantize_rules import Quantized, quantized
 from jaxmp._src.state import (
     get_loss_scale,
     inner_state,
@@ -126,6 +138,16 @@ __all__ = (
     "MasterWeightsState",
     "NoOpLossScale",
     "Policy",
+    "Float8Rowwise",
+    "Int4WeightOnly",
+    "Int8DynamicActivations",
+    "Int8WeightOnly",
+    "Quantized",
+    "QuantizedArray",
+    "QuantizedLeaf",
+    "quantization_plan",
+    "quantize",
+    "quantized",
     "StaticLossScale",
     "StochasticRoundingState",
     "all_finite",

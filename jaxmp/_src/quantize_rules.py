@@ -1,0 +1,243 @@
+"""Running a function on quantised params: `jaxmp.quantized`, a rule set over the core.
+
+``jaxmp.quantized(fun)(qparams, *args)`` traces the unmodified `fun` with each
+`QuantizedArray` standing for an array of its original shape and dtype, and evaluates the
+jaxpr with the shared re-interpretation core (`jaxmp._src.interpret`). A value is a plain
+array or a `QuantizedArray` (a pytree: it crosses ``jit``, ``scan``, ``while`` and ``cond``
+bodies as its values and scales, its contraction axes counted from the end so that a
+scanned slice of a stacked weight keeps them). What each equation does with a quantised
+operand:
+
+* ``dot_general`` contracting the weight's contraction axes runs the recipe's kernel:
+  weight-only int8 converts the weight to the dtype the matmul had inside the dot and scales
+  the float32 output per output channel; `Int8DynamicActivations` quantises the other
+  operand per row and runs int8 x int8 -> int32; `Float8Rowwise` E4M3 x E4M3 -> float32;
+  `Int4WeightOnly` dequantises the weight and runs the matmul as traced.
+* ``convert_element_type`` to a floating dtype and ``transpose`` keep the weight quantised
+  (the dtype is recorded; values and scales are transposed), except for int4.
+* ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint`` and custom-rule functions are
+  evaluated under these rules (custom JVP/VJP rules inlined: this is inference).
+* Every other equation dequantises its quantised operands and runs as traced.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmp._src import compat, interpret
+from jaxmp._src import quantize as q_lib
+
+__all__ = ["Quantized", "quantized"]
+
+
+def _dequantize(x: Any) -> Any:
+    return x.dequantize() if q_lib.is_quantized(x) else x
+
+
+def _to_output(
+    scale: jax.Array, side: int, dimension_numbers: Any, ndims: tuple[int, int]
+) -> jax.Array:
+    """A keepdims scale of operand `side` (0: lhs, 1: rhs), laid out to broadcast against
+    the ``dot_general`` output (batch axes, lhs free axes, rhs free axes)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    contract, batch = ((lc, lb), (rc, rb))[side]
+    other_contract, other_batch = ((lc, lb), (rc, rb))[1 - side]
+    ndim = ndims[side]
+    free = [d for d in range(ndim) if d not in contract and d not in batch]
+    n_other_free = ndims[1 - side] - len(other_contract) - len(other_batch)
+    s = jnp.transpose(scale, (*batch, *free, *contract))
+    kept = s.shape[: len(batch) + len(free)]
+    ones = (1,) * n_other_free
+    nb = len(batch)
+    shape = (*kept, *ones) if side == 0 else (*kept[:nb], *ones, *kept[nb:])
+    return s.reshape(shape)
+
+
+def _fits(x: q_lib.QuantizedArray, dims: Sequence[int]) -> bool:
+    ndim = x.ndim
+    return tuple(sorted(d - ndim for d in dims)) == x.contract
+
+
+def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
+    params = eqn.params
+    dn = params["dimension_numbers"]
+    (lc, rc), _ = dn
+    out_dtype = eqn.outvars[0].aval.dtype
+    lhs, rhs = vals
+    side = None
+    if q_lib.is_quantized(rhs) and not q_lib.is_quantized(lhs) and _fits(rhs, rc):
+        side = 1
+    elif q_lib.is_quantized(lhs) and not q_lib.is_quantized(rhs) and _fits(lhs, lc):
+        side = 0
+    if side is None or isinstance(vals[side].recipe, q_lib.Int4WeightOnly):
+        return compat.bind(eqn, [_dequantize(v) for v in vals])
+    w: q_lib.QuantizedArray = vals[side]
+    x = jnp.asarray(vals[1 - side])
+    ndims = (x.ndim, w.ndim) if side == 1 else (w.ndim, x.ndim)
+    precision = params.get("precision")
+
+    def dot(a: jax.Array, b: jax.Array, preferred: Any) -> jax.Array:
+        operands = (b, a) if side == 0 else (a, b)  # a: the activations, b: the weight
+        return lax.dot_general(*operands, dn, precision=precision, preferred_element_type=preferred)
+
+    w_scale = _to_output(w.scales, side, dn, ndims)
+    recipe = w.recipe
+    if isinstance(recipe, q_lib.Int8WeightOnly):
+        y = dot(x, w.values.astype(w.dtype), jnp.float32) * w_scale
+        return [y.astype(out_dtype)]
+    x_contract = (lc, rc)[1 - side]
+    x_scale = q_lib.absmax_scale(x, x_contract, recipe.qmax)
+    xq = q_lib.quantize_values(x, x_scale, recipe)
+    if isinstance(recipe, q_lib.Int8DynamicActivations):
+        acc = dot(xq, w.values, jnp.int32).astype(jnp.float32)
+    else:
+        acc = dot(xq, w.values, jnp.float32)
+    y = acc * _to_output(x_scale, 1 - side, dn, ndims) * w_scale
+    return [y.astype(out_dtype)]
+
+
+def _layout(eqn: Any, x: q_lib.QuantizedArray) -> Any:
+    """A ``convert_element_type`` or ``transpose`` of a quantised weight, kept quantised."""
+    name = eqn.primitive.name
+    if isinstance(x.recipe, q_lib.Int4WeightOnly):
+        return None
+    if name == "convert_element_type":
+        dtype = jnp.dtype(eqn.outvars[0].aval.dtype)
+        if not q_lib._is_float_dtype(dtype):
+            return None
+        return q_lib.QuantizedArray(
+            x.values, x.scales, x.recipe, dtype, x.contract, x.contract_shape
+        )
+    perm = tuple(eqn.params["permutation"])
+    ndim = len(perm)
+    old = {c + ndim for c in x.contract}
+    contract = tuple(i - ndim for i, p in enumerate(perm) if p in old)
+    sizes = tuple(x.values.shape[perm[i + ndim]] for i in contract)
+    return q_lib.QuantizedArray(
+        jnp.transpose(x.values, perm),
+        jnp.transpose(x.scales, perm),
+        x.recipe,
+        x.dtype,
+        contract,
+        sizes,
+    )
+
+
+class _QuantizedRules(interpret.Rules):
+    """Values are arrays or `QuantizedArray`s (see the module docs)."""
+
+    keep_custom_rules = False  # inference: custom JVP/VJP functions are evaluated inline
+
+    def literal(self, value: Any) -> Any:
+        return value
+
+    def value(self, v: Any) -> Any:
+        return _dequantize(v)
+
+    def wrap(self, x: Any) -> Any:
+        return x
+
+    def apply(
+        self, frame: Any, index: int, eqn: Any, vals: list[Any], interp: Any
+    ) -> list[Any] | None:
+        if not any(q_lib.is_quantized(v) for v in vals):
+            return compat.bind(eqn, vals)
+        name = eqn.primitive.name
+        if name == "dot_general":
+            return _dot(eqn, vals)
+        if name in ("convert_element_type", "transpose"):
+            out = _layout(eqn, vals[0])
+            if out is not None:
+                return [out]
+        elif compat.has_subjaxprs(eqn.params):
+            outs = interp.higher_order(eqn, vals)
+            if outs is not NotImplemented:
+                return outs
+        return compat.bind(eqn, [_dequantize(v) for v in vals])
+
+    def fix(self, vals: list[Any], like: list[Any]) -> list[Any]:
+        # A loop carry or branch output that was an array stays one.
+        return [
+            v if q_lib.is_quantized(s) else _dequantize(v) for v, s in zip(vals, like, strict=True)
+        ]
+
+
+def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[interpret.ArgSpec, list[Any]]:
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=q_lib.is_quantized)
+
+    def dynamic(x: Any) -> bool:
+        return q_lib.is_quantized(x) or q_lib._is_array(x) or compat.is_tracer(x)
+
+    static = tuple((i, x) for i, x in enumerate(leaves) if not dynamic(x))
+    return interpret.ArgSpec(treedef, static, len(leaves)), [x for x in leaves if dynamic(x)]
+
+
+class Quantized:
+    """The function `quantized` returns; call it like the wrapped function."""
+
+    def __init__(self, fun: Callable[..., Any]):
+        functools.update_wrapper(self, fun, updated=())
+        self._fun = fun
+        self._jitted = jax.jit(self._run, static_argnums=0)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec, dynamic = _split(args, kwargs)
+        if spec.hashable() and not any(compat.is_tracer(x) for x in jax.tree.leaves(dynamic)):
+            return self._jitted(spec, *dynamic)  # compiled once per argument signature
+        return self._run(spec, *dynamic)
+
+    def jaxpr(self, *args: Any, **kwargs: Any) -> Any:
+        """The jaxpr that runs for these arguments (its matmuls are the recipes' kernels)."""
+        spec, dynamic = _split(args, kwargs)
+        return jax.make_jaxpr(functools.partial(self._run, spec))(*dynamic)
+
+    def _run(self, spec: interpret.ArgSpec, *dynamic: Any) -> Any:
+        structs = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype) if q_lib.is_quantized(x) else x for x in dynamic
+        ]
+        traced = interpret.trace_call(self._fun, False, spec, structs)
+        closed = traced.closed
+        interp = interpret.Interpreter(_QuantizedRules())
+        outs = interp.eval_jaxpr(closed.jaxpr, closed.consts, list(dynamic))
+        return jax.tree.unflatten(traced.out_tree, [_dequantize(x) for x in outs])
+
+    def __repr__(self) -> str:
+        return f"jaxmp.quantized({getattr(self._fun, '__name__', repr(self._fun))})"
+
+
+def quantized(fun: Callable[..., Any]) -> Quantized:
+    """Runs `fun` on params from `jaxmp.quantize`: its matmuls use the quantised weights.
+
+    The function is unmodified: it is traced with each `QuantizedArray` standing for an
+    array of the original shape and dtype, and re-interpreted so that a matmul reading a
+    quantised weight runs its recipe's kernel and any other use dequantises it (see the
+    module docs). The model's own dtypes are kept: a bfloat16 model's weight-only matmuls
+    run in bfloat16 with float32 accumulation, its outputs have the dtypes of the plain call.
+    Arguments that are not quantised pass through unchanged. Outside a transformation each
+    argument signature is traced and compiled once; it composes with `jax.jit`, `jax.vmap`
+    and `lax.scan` (quantised params may be scanned over, a stack of layers sliced per step).
+
+    Args:
+      fun: the function `jaxmp.quantize` was given.
+
+    Returns:
+      A callable with `fun`'s signature (`Quantized`).
+
+    Example:
+      >>> def layer(p, x):
+      ...     return x @ p["w"]
+      >>> p = {"w": jnp.arange(12.0).reshape(3, 4) - 6}
+      >>> q = jaxmp.quantize(layer, p, jnp.ones((2, 3)), recipe="int8_dynamic")
+      >>> jaxmp.quantized(layer)(q, jnp.ones((2, 3)))
+      Array([[-6.0000005, -3.       ,  0.       ,  3.0000002],
+             [-6.0000005, -3.       ,  0.       ,  3.0000002]], dtype=float32)
+    """
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {fun!r}.")
+    return Quantized(fun)
