@@ -350,8 +350,12 @@ jaxmp.Float8Autocast.with_fp8_state: (self, state: 'fp8.Float8State') -> 'Callab
 jaxmp.Float8BlockScaling: class(tile_size: 'int' = 128, weight_block_size: 'int' = 128, fwd_dtype: 'Any' = dtype(float8_e4m3fn), bwd_dtype: 'Any' = dtype(float8_e5m2), min_size: 'int' = 0) -> None
 jaxmp.Float8CurrentScaling: class(fwd_dtype: 'Any' = dtype(float8_e4m3fn), bwd_dtype: 'Any' = dtype(float8_e5m2), min_size: 'int' = 0) -> None
 jaxmp.Float8Matmul: class(name: 'str', primitive: 'str', fp8: 'bool', reason: 'str')
+jaxmp.Float8Rowwise: class() -> None
 jaxmp.Float8State: class(amax_history: 'dict[str, jax.Array]', scale: 'dict[str, jax.Array]', names: 'tuple[tuple[str, str], ...]' = ()) -> None
 jaxmp.Inspect: class(fun: 'Callable[..., Any]', policy: 'policy_lib.Policy | None', formats: 'tuple[str, ...]', every: 'int' = 1, modules: 're.Pattern[str] | None' = None)
+jaxmp.Int4WeightOnly: class(group_size: 'int' = 128) -> None
+jaxmp.Int8DynamicActivations: class() -> None
+jaxmp.Int8WeightOnly: class() -> None
 jaxmp.KahanSummationState: class(compensation: 'Any', inner_state: 'Any')
 jaxmp.LOW_PRECISION_OPS: frozenset
 jaxmp.LossScale: class()
@@ -380,6 +384,14 @@ jaxmp.Policy.needs_loss_scaling: property
 jaxmp.Policy.with_compute_dtype: (self, compute_dtype: 'DTypeLike') -> 'Policy'
 jaxmp.Policy.with_output_dtype: (self, output_dtype: 'DTypeLike') -> 'Policy'
 jaxmp.Policy.with_param_dtype: (self, param_dtype: 'DTypeLike') -> 'Policy'
+jaxmp.Quantized: class(fun: 'Callable[..., Any]')
+jaxmp.Quantized.jaxpr: (self, *args: 'Any', **kwargs: 'Any') -> 'Any'
+jaxmp.QuantizedArray: class(values: 'jax.Array', scales: 'jax.Array', recipe: 'Any', dtype: 'Any', contract: 'tuple[int, ...]', contract_shape: 'tuple[int, ...]') -> None
+jaxmp.QuantizedArray.dequantize: (self, dtype: 'Any' = None) -> 'jax.Array'
+jaxmp.QuantizedArray.nbytes: property
+jaxmp.QuantizedArray.ndim: property
+jaxmp.QuantizedArray.shape: property
+jaxmp.QuantizedLeaf: class(path: 'str', quantized: 'bool', reason: 'str')
 jaxmp.Report: class(stats: 'Stats', metas: 'tuple[_Meta, ...]', formats: 'tuple[str, ...]', reference: 'bool', source_counts: 'Any' = <factory>, sources: 'tuple[_Origin, ...]' = (), sampling: 'str' = '', constants: 'tuple[tuple[str, int], ...]' = ()) -> None
 jaxmp.Report.find: (self, primitive: 'str | None' = None, *, module: 'str | None' = None, phase: 'str | None' = None, line: 'int | None' = None) -> 'list[OpStats]'
 jaxmp.Report.first_nonfinite: property
@@ -417,6 +429,9 @@ jaxmp.master_weights: (inner: 'optax.GradientTransformation', dtype: 'DTypeLike'
 jaxmp.mixed_precision: (inner: 'optax.GradientTransformation', policy: 'policy_lib.Policy | str', loss_scale: 'loss_scale_lib.LossScale | None' = None, *, axis_name: 'Any' = None, master_weights: 'bool | None' = None, rounding: 'str' = 'nearest', moments: 'str | tuple[str, str]' = 'float32', moment_fields: 'Mapping[type, Mapping[str, str]] | None' = None, param_specs: 'Any' = None, check_outputs: 'bool' = False, seed: 'int' = 0) -> 'optax.GradientTransformationExtraArgs'
 jaxmp.pmean_in_float32: (tree: 'T', axis_name: 'Any') -> 'T'
 jaxmp.psum_in_float32: (tree: 'T', axis_name: 'Any') -> 'T'
+jaxmp.quantization_plan: (fun: 'Callable[..., Any]', params: 'Any', *example_args: 'Any', recipe: 'Any', exclude: 'Any' = (), **example_kwargs: 'Any') -> 'tuple[QuantizedLeaf, ...]'
+jaxmp.quantize: (fun: 'Callable[..., Any]', params: 'Any', *example_args: 'Any', recipe: 'Any', exclude: 'Any' = (), **example_kwargs: 'Any') -> 'Any'
+jaxmp.quantized: (fun: 'Callable[..., Any]') -> 'Quantized'
 jaxmp.schedule_free_eval_params: (opt_state: 'Any', params: 'Any') -> 'Any'
 jaxmp.select_tree: (pred: 'jax.typing.ArrayLike', a: 'T', b: 'T') -> 'T'
 jaxmp.state_shardings: (tx: 'optax.GradientTransformation', params: 'Any', shardings: 'Any' = None) -> 'Any'

@@ -64,6 +64,7 @@ class Int8WeightOnly:
     Keras 3's ``model.quantize("int8")`` weights, torchao's ``Int8WeightOnlyConfig``.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> jaxmp.Int8WeightOnly()
       Int8WeightOnly()
     """
@@ -85,6 +86,7 @@ class Int8DynamicActivations:
     ``Int8DynamicActivationInt8WeightConfig``.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> jaxmp.Int8DynamicActivations()
       Int8DynamicActivations()
     """
@@ -105,6 +107,7 @@ class Float8Rowwise:
     granularity=PerRow())``, Keras 3's ``model.quantize("float8")`` (per tensor there).
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> jaxmp.Float8Rowwise()
       Float8Rowwise()
     """
@@ -130,6 +133,7 @@ class Int4WeightOnly:
       group_size: values per scale, a positive even integer (default 128).
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> jaxmp.Int4WeightOnly(group_size=64)
       Int4WeightOnly(group_size=64)
     """
@@ -294,7 +298,12 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 def quantize_array(x: jax.Array, contract: Sequence[int], recipe: Any) -> QuantizedArray:
-    """`x` quantised with `recipe`, `contract` (non-negative axes) its contraction axes."""
+    """`x` quantised with `recipe`, `contract` its contraction axes (compiled once per shape)."""
+    return _quantize_array(x, tuple(int(c) % x.ndim for c in contract), recipe)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_array(x: jax.Array, contract: tuple[int, ...], recipe: Any) -> QuantizedArray:
     ndim = x.ndim
     contract = tuple(sorted(int(c) % ndim for c in contract))
     negative = tuple(c - ndim for c in contract)
@@ -594,12 +603,13 @@ def quantization_plan(
       One `QuantizedLeaf` per floating leaf, in the order of the params' leaves.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> def mlp(p, x):
       ...     return jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
       >>> p = {"b": jnp.zeros(4), "v": jnp.ones((4, 2)), "w": jnp.ones((8, 4))}
       >>> for leaf in jaxmp.quantization_plan(mlp, p, jnp.ones((1, 8)), recipe="int8"):
       ...     print(leaf.path, leaf.quantized, leaf.reason)
-      b False not a matmul weight (used by add)
+      b False not a matmul weight (used by broadcast_in_dim)
       v True matmul weight, contracted over axes (0,)
       w True matmul weight, contracted over axes (0,)
     """
@@ -647,6 +657,7 @@ def quantize(
       TypeError: for a recipe or exclude of the wrong type.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> def mlp(p, x):
       ...     return jnp.tanh(x @ p["w"]) @ p["v"]
       >>> p = {"v": jnp.ones((256, 2)), "w": jnp.ones((8, 256))}

@@ -230,13 +230,15 @@ def quantized(fun: Callable[..., Any]) -> Quantized:
       A callable with `fun`'s signature (`Quantized`).
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> def layer(p, x):
       ...     return x @ p["w"]
       >>> p = {"w": jnp.arange(12.0).reshape(3, 4) - 6}
       >>> q = jaxmp.quantize(layer, p, jnp.ones((2, 3)), recipe="int8_dynamic")
-      >>> jaxmp.quantized(layer)(q, jnp.ones((2, 3)))
-      Array([[-6.0000005, -3.       ,  0.       ,  3.0000002],
-             [-6.0000005, -3.       ,  0.       ,  3.0000002]], dtype=float32)
+      >>> x = jnp.ones((2, 3))
+      >>> y = jaxmp.quantized(layer)(q, x)  # int8 x int8 -> int32, rescaled
+      >>> y.dtype, bool(jnp.abs(y - layer(p, x)).max() < 0.05)
+      (dtype('float32'), True)
     """
     if not callable(fun):
         raise TypeError(f"`fun` must be callable, got {fun!r}.")

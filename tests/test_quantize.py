@@ -1,0 +1,392 @@
+"""Tests of jaxmp.quantize and jaxmp.quantized: recipes against numpy, kernels, integrations."""
+
+import pathlib
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax import lax
+
+import jaxmp
+from jaxmp._src import quantize as q_lib
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from lm import model as model_lib  # noqa: E402
+
+RECIPES = {
+    "int8": jaxmp.Int8WeightOnly(),
+    "int8_dynamic": jaxmp.Int8DynamicActivations(),
+    "fp8": jaxmp.Float8Rowwise(),
+    "int4": jaxmp.Int4WeightOnly(group_size=32),
+}
+# Relative error of a quantised model's output against the same model in bfloat16 (the
+# largest difference over the largest output), per recipe: 8-bit formats a few percent, E4M3
+# (3 mantissa bits) and 4-bit groups more.
+MODEL_TOLERANCE = {"int8": 0.03, "int8_dynamic": 0.05, "fp8": 0.12, "int4": 0.3}
+
+
+def _weights(shape, seed=0):
+    """Normal weights with an outlier row, an outlier column and an all-zero output channel."""
+    w = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    w[1, :] *= 50.0  # an outlier input row (spread over every output channel)
+    w[:, 2] *= 100.0  # an outlier output channel
+    w[:, 3] = 0.0  # an all-zero output channel
+    return w
+
+
+# --------------------------------------------------------------------------------------------
+# Each recipe against a numpy reference.
+
+
+def _numpy_int8(w, scale=None):
+    if scale is None:
+        amax = np.abs(w).max(axis=0, keepdims=True)
+        scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
+    return np.clip(np.round(w / scale), -127, 127).astype(np.int8), scale
+
+
+@pytest.mark.parametrize("name", ["int8", "int8_dynamic"])
+def test_int8_matches_numpy(name):
+    w = _weights((64, 16))
+    q = q_lib.quantize_array(jnp.asarray(w), (0,), RECIPES[name])
+    values, scale = _numpy_int8(w)
+    # XLA's float32 division on CPU is not always correctly rounded: a scale may be 1 ulp off
+    # numpy's, and the values are then numpy's rounding with that scale.
+    np.testing.assert_allclose(np.asarray(q.scales), scale, rtol=2e-7)
+    values, _ = _numpy_int8(w, np.asarray(q.scales))
+    np.testing.assert_array_equal(np.asarray(q.values), values)
+    assert q.values.dtype == jnp.int8 and q.scales.shape == (1, 16)
+    assert np.all(np.asarray(q.scales)[0, 3] == 1.0)  # the all-zero channel
+    assert np.all(np.asarray(q.dequantize())[:, 3] == 0.0)
+    err = np.abs(np.asarray(q.dequantize()) - w)
+    assert np.all(err <= scale / 2 * (1 + 1e-6))  # round to nearest: half a step
+
+
+def test_fp8_matches_numpy():
+    w = _weights((64, 16))
+    q = q_lib.quantize_array(jnp.asarray(w), (0,), RECIPES["fp8"])
+    amax = np.abs(w).max(axis=0, keepdims=True)
+    scale = np.where(amax > 0, amax / 448, 1).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(q.scales), scale, rtol=2e-7)  # amax / 448, 1 ulp
+    values = (w / np.asarray(q.scales)).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(q.values), values)
+    deq = np.asarray(q.dequantize())
+    # E4M3 keeps 3 mantissa bits: a relative error of at most 2^-4 above the subnormals.
+    normal = np.abs(w / scale) >= 2.0**-6
+    assert np.all(np.abs(deq - w)[normal] <= np.abs(w)[normal] * 2.0**-4 * (1 + 1e-6))
+    assert np.all(deq[:, 3] == 0.0)
+
+
+def test_int4_matches_numpy():
+    w = _weights((64, 16))
+    recipe = RECIPES["int4"]
+    q = q_lib.quantize_array(jnp.asarray(w), (0,), recipe)
+    groups = w.T.reshape(16, 2, 32)  # output channels, groups along the contraction, values
+    amax = np.abs(groups).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / 7, 1).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(q.scales), scale[..., 0], rtol=2e-7)
+    scale = np.asarray(q.scales)[..., None]
+    ints = np.clip(np.round(groups / scale), -7, 7)
+    np.testing.assert_array_equal(np.asarray(q_lib.unpack_int4(q.values)), ints.reshape(16, 64))
+    expected = (ints * scale).reshape(16, 64).T
+    np.testing.assert_allclose(np.asarray(q.dequantize()), expected, rtol=1e-6)
+    assert q.shape == (64, 16) and q.values.shape == (16, 32) and q.values.dtype == jnp.uint8
+
+
+def test_round_trips_are_exact_on_the_grid():
+    rng = np.random.default_rng(1)
+    # Power-of-two steps: amax / 127 is then exact whatever the division's rounding.
+    steps = 2.0 ** rng.integers(-10, 10, size=(1, 8)).astype(np.float32)
+    ints = rng.integers(-127, 128, size=(32, 8))
+    ints[0] = 127  # each channel reaches the top of the grid
+    on_grid = (ints * steps).astype(np.float32)
+    q = q_lib.quantize_array(jnp.asarray(on_grid), (0,), RECIPES["int8"])
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), on_grid)
+
+    e4m3 = rng.normal(size=(32, 8)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    e4m3[0] = 448.0
+    q = q_lib.quantize_array(jnp.asarray(e4m3), (0,), RECIPES["fp8"])
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), e4m3)
+
+    nibbles = rng.integers(-7, 8, size=(64, 8)).astype(np.float32)
+    nibbles[::32] = 7.0  # each group reaches the top
+    q = q_lib.quantize_array(jnp.asarray(nibbles), (0,), RECIPES["int4"])
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), nibbles)
+    packed = q_lib.pack_int4(jnp.asarray(np.arange(-8, 8, dtype=np.int8)))
+    np.testing.assert_array_equal(np.asarray(q_lib.unpack_int4(packed)), np.arange(-8, 8))
+
+
+def test_int4_storage_is_half_a_byte_per_weight():
+    w = jnp.ones((1024, 256), jnp.bfloat16)
+    q = q_lib.quantize_array(w, (0,), jaxmp.Int4WeightOnly())
+    assert q.values.nbytes == w.size // 2
+    assert q.scales.nbytes == 4 * w.size // 128
+    assert q.nbytes / w.nbytes == pytest.approx(0.25 + 2 / 128)
+    q8 = q_lib.quantize_array(w, (0,), jaxmp.Int8WeightOnly())
+    assert q8.nbytes == w.size + 4 * 256
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels.
+
+
+def _mlp(p, x):
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return h @ p["w2"]
+
+
+def _mlp_params(dtype=jnp.bfloat16):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": (jax.random.normal(k1, (64, 128)) / 8).astype(dtype),
+        "b1": jnp.full((128,), 0.1, dtype),
+        "w2": (jax.random.normal(k2, (128, 32)) / 11).astype(dtype),
+        "step": jnp.asarray(3, jnp.int32),
+        "mask": jnp.ones((4,), bool),
+    }
+
+
+def _rel_err(y, ref):
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    return float(np.abs(y - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_mlp_output_within_tolerance_and_leaves_untouched(name):
+    p = _mlp_params()
+    x = jax.random.normal(jax.random.key(1), (8, 64)).astype(jnp.bfloat16)
+    q = jaxmp.quantize(_mlp, p, x, recipe=RECIPES[name])
+    for key in ("b1", "step", "mask"):  # bias, int and bool leaves: the very same arrays
+        assert q[key] is p[key]
+    assert isinstance(q["w1"], jaxmp.QuantizedArray) and q["w1"].dtype == jnp.bfloat16
+    with jax.numpy_dtype_promotion("strict"):
+        y = jax.jit(jaxmp.quantized(_mlp))(q, x)
+    assert y.dtype == jnp.bfloat16 and y.shape == (8, 32)
+    assert _rel_err(y, _mlp(p, x)) < MODEL_TOLERANCE[name]
+
+
+def _dots(jaxpr):
+    return [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+
+
+def test_int8_dynamic_runs_an_int8_dot_with_int32_output():
+    p, x = _mlp_params(jnp.float32), jnp.ones((8, 64))
+    q = jaxmp.quantize(_mlp, p, x, recipe="int8_dynamic")
+    dots = list(_dots(jaxmp.quantized(_mlp).jaxpr(q, x).jaxpr))
+    assert len(dots) == 2
+    for eqn in dots:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.int8, jnp.int8]
+        assert eqn.outvars[0].aval.dtype == jnp.int32
+
+
+def test_fp8_runs_an_e4m3_dot_and_weight_only_keeps_the_weight_int8_until_the_dot():
+    p, x = _mlp_params(jnp.float32), jnp.ones((8, 64))
+    q = jaxmp.quantize(_mlp, p, x, recipe="fp8")
+    for eqn in _dots(jaxmp.quantized(_mlp).jaxpr(q, x).jaxpr):
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.float8_e4m3fn] * 2
+        assert eqn.outvars[0].aval.dtype == jnp.float32
+    q = jaxmp.quantize(_mlp, p, x, recipe="int8")
+    jaxpr = jaxmp.quantized(_mlp).jaxpr(q, x).jaxpr
+    # The params enter as int8 values and float32 scales: no float copy of a weight is an input.
+    int8_inputs = [v.aval.shape for v in jaxpr.invars if v.aval.dtype == jnp.int8]
+    assert sorted(int8_inputs) == [(64, 128), (128, 32)]
+
+
+def test_scanned_stack_of_layers_jit_and_vmap():
+    layers = jax.random.normal(jax.random.key(2), (3, 64, 64)) / 8
+
+    def net(w, x):
+        def body(h, w_layer):  # transpose and convert on the way to the dot
+            return jnp.tanh(h @ w_layer.T.astype(jnp.bfloat16).astype(jnp.float32)), None
+
+        return jax.jit(lambda h: lax.scan(body, h, w)[0])(x)
+
+    x = jax.random.normal(jax.random.key(3), (4, 64))
+    ref = net(layers, x)
+    for name, recipe in RECIPES.items():
+        (leaf,) = jaxmp.quantization_plan(net, layers, x, recipe=recipe)
+        assert leaf.quantized and "(2,)" in leaf.reason
+        q = jaxmp.quantize(net, layers, x, recipe=recipe)
+        assert q.scales.shape[0] == 3  # one set of scales per layer
+        run = jaxmp.quantized(net)
+        y = jax.jit(run)(q, x)
+        assert _rel_err(y, ref) < MODEL_TOLERANCE[name]
+        batched = jax.vmap(run, in_axes=(None, 0))(q, x[:, None])[:, 0]
+        np.testing.assert_allclose(np.asarray(batched), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+def test_quantised_params_scanned_by_the_caller():
+    layers = {"w": jax.random.normal(jax.random.key(4), (3, 32, 32)) / 6}
+
+    def layer(p, h):
+        return jnp.tanh(h @ p["w"])
+
+    x = jnp.ones((2, 32))
+    q = jaxmp.quantize(
+        lambda ps, h: lax.scan(lambda c, p: (layer(p, c), None), h, ps)[0], layers, x, recipe="int8"
+    )
+    run = jaxmp.quantized(layer)
+
+    def step(h, p):
+        return run(p, h), None
+
+    y, _ = lax.scan(step, x, q)
+    ref, _ = lax.scan(lambda h, p: (layer(p, h), None), x, layers)
+    assert _rel_err(y, ref) < MODEL_TOLERANCE["int8"]
+
+
+def test_tied_embedding_and_non_matmul_uses_stay_unquantised():
+    def lm(p, tokens):
+        h = p["embed"][tokens]  # gather
+        h = h @ p["w"]
+        return h @ p["embed"].T  # the same table as the head
+
+    p = {"embed": jnp.ones((16, 8)), "w": jnp.ones((8, 8))}
+    plan = {
+        leaf.path: leaf for leaf in jaxmp.quantization_plan(lm, p, jnp.arange(3), recipe="int8")
+    }
+    assert not plan["embed"].quantized and "gather" in plan["embed"].reason
+    assert plan["w"].quantized
+    q = jaxmp.quantize(lm, p, jnp.arange(3), recipe="int8")
+    assert q["embed"] is p["embed"]
+
+
+def test_other_uses_of_a_quantised_weight_dequantise():
+    def f(p, x):
+        return x @ p["w"]
+
+    def g(p, x):
+        return x @ p["w"] + jnp.sum(p["w"])  # a reduction reads the weight too
+
+    p = {"w": jnp.arange(32.0).reshape(4, 8) / 7}
+    q = jaxmp.quantize(f, p, jnp.ones((1, 4)), recipe="int8")
+    y = jaxmp.quantized(g)(q, jnp.ones((1, 4)))
+    assert _rel_err(y, g(p, jnp.ones((1, 4)))) < 0.01
+
+
+# --------------------------------------------------------------------------------------------
+# Integrations: Linen (the main job's model), Equinox, orbax.
+
+
+@pytest.mark.parametrize(
+    "name", ["int8", *(pytest.param(n, marks=pytest.mark.slow) for n in RECIPES if n != "int8")]
+)
+def test_main_job_transformer_against_bf16(name):
+    model = model_lib.TransformerLM(
+        vocab_size=40,
+        max_len=16,
+        num_layers=1,
+        num_heads=2,
+        d_model=64,
+        mlp_ratio=2,
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+        output_dtype=jnp.float32,
+    )
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 40)
+    variables = model.init(jax.random.key(6), tokens)
+    ref = model.apply(variables, tokens)
+    recipe = RECIPES[name]
+    plan = jaxmp.quantization_plan(model.apply, variables, tokens, recipe=recipe, exclude="embed")
+    quantised = {leaf.path for leaf in plan if leaf.quantized}
+    assert quantised == {
+        "params/block_0/attn/query/kernel",
+        "params/block_0/attn/key/kernel",
+        "params/block_0/attn/value/kernel",
+        "params/block_0/attn/out/kernel",  # contracts two axes (heads, head dim)
+        "params/block_0/fc/kernel",
+        "params/block_0/proj/kernel",
+        "params/head/kernel",
+    }
+    q = jaxmp.quantize(model.apply, variables, tokens, recipe=recipe, exclude="embed")
+    logits = jaxmp.quantized(model.apply)(q, tokens)
+    assert logits.dtype == jnp.float32
+    assert _rel_err(logits, ref) < MODEL_TOLERANCE[name]
+
+
+def test_equinox_module():
+    mlp = eqx.nn.MLP(32, 8, 64, depth=2, key=jax.random.key(7))
+    x = jnp.ones((32,))
+    q = jaxmp.quantize(lambda m, x: m(x), mlp, x, recipe="int8")
+    assert isinstance(q.layers[0].weight, jaxmp.QuantizedArray)
+    assert q.layers[0].bias is mlp.layers[0].bias
+    y = eqx.filter_jit(jaxmp.quantized(lambda m, x: m(x)))(q, x)
+    assert _rel_err(y, mlp(x)) < MODEL_TOLERANCE["int8"]
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_orbax_round_trip_is_bit_identical(tmp_path, name):
+    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
+    q = jaxmp.quantize(_mlp, p, x, recipe=RECIPES[name])
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / name, q)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / name, jax.eval_shape(lambda: q))
+    assert jax.tree.structure(restored) == jax.tree.structure(q)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(q), strict=True):
+        assert a.dtype == b.dtype
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    np.testing.assert_array_equal(
+        np.asarray(jaxmp.quantized(_mlp)(restored, x), np.float32),
+        np.asarray(jaxmp.quantized(_mlp)(q, x), np.float32),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Errors.
+
+
+def test_recipe_errors_name_the_argument_and_the_choices():
+    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
+    with pytest.raises(
+        ValueError,
+        match=r"`recipe` must be one of 'int8', .*'int4', got 'int9'.*"
+        r"Did you mean 'int8'\?",
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe="int9")
+    with pytest.raises(TypeError, match=r"`recipe` must be a quantisation recipe .*Int8WeightOnly"):
+        jaxmp.quantize(_mlp, p, x, recipe=8)
+    with pytest.raises(ValueError, match=r"`group_size` must be a positive even integer.*got 33"):
+        jaxmp.Int4WeightOnly(group_size=33)
+    assert hash(jaxmp.Int4WeightOnly()) == hash(jaxmp.Int4WeightOnly(128))
+
+
+def test_exclude_errors_list_the_leaves():
+    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
+    with pytest.raises(
+        ValueError,
+        match=r"`exclude` pattern 'w3' matches no .*b1, w1, w2.*"
+        r"Did you mean",
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=["w3"])
+    with pytest.raises(TypeError, match="`exclude` must be a regex or a sequence"):
+        jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=[3])
+    q = jaxmp.quantize(_mlp, p, x, recipe="int8", exclude="w2")
+    assert q["w2"] is p["w2"] and isinstance(q["w1"], jaxmp.QuantizedArray)
+
+
+def test_int4_leaves_a_weight_whose_contraction_is_not_a_multiple_of_the_group():
+    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
+    plan = jaxmp.quantization_plan(_mlp, p, x, recipe=jaxmp.Int4WeightOnly(group_size=128))
+    reasons = {leaf.path: leaf.reason for leaf in plan}
+    assert reasons["w1"] == "contraction size 64 is not a multiple of group_size 128"
+    assert "matmul weight" in reasons["w2"]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_weight_is_reported_with_its_path(bad):
+    p, x = _mlp_params(jnp.float32), jnp.ones((2, 64))
+    p["w2"] = p["w2"].at[5, 7].set(bad)
+    with pytest.raises(
+        ValueError,
+        match=r"`params` leaf 'w2' holds NaN or inf \(1 of 4096 "
+        r"values, the first at index \(5, 7\)",
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe="int8")
