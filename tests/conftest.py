@@ -28,6 +28,22 @@ def assert_close(actual, expected, dtype):
     )
 
 
+def diagonal_cases(first, second, first_ids, second_ids):
+    """The cases of a two-way matrix (every value of `first` with every value of `second`).
+
+    The default run takes a diagonal, each value of either list at least once (case ``i``
+    pairs ``first[i % len(first)]`` with ``second[i % len(second)]``); the other combinations
+    are marked slow, and CI runs them all.
+    """
+    n = max(len(first), len(second))
+    default = {(i % len(first), i % len(second)) for i in range(n)}
+    return [
+        pytest.param(a, b, id=f"{ia}-{ib}", marks=[] if (i, j) in default else [pytest.mark.slow])
+        for i, (a, ia) in enumerate(zip(first, first_ids, strict=True))
+        for j, (b, ib) in enumerate(zip(second, second_ids, strict=True))
+    ]
+
+
 @pytest.fixture(params=FLOAT_DTYPES, ids=lambda d: d.name)
 def float_dtype(request):
     return request.param

@@ -840,6 +840,7 @@ def _train(policy, steps=60):
     return np.array(losses), params, opt_state
 
 
+@pytest.mark.slow  # a longer training; the main job model's parity runs by default
 def test_training_parity_mixed_float16():
     import jaxmp
 

@@ -91,7 +91,16 @@ def test_train_step_benchmark_functions(benchmarks_on_path):
     assert 0 < lower_s < total_s and 0 < compile_s < total_s
 
 
-@pytest.mark.parametrize("approach", ["manual", "jmp", "apply_if_finite", "flax"])
+# The approaches built on other libraries' glue (jmp, optax.apply_if_finite) with the slow ones.
+@pytest.mark.parametrize(
+    "approach",
+    [
+        "manual",
+        pytest.param("jmp", marks=pytest.mark.slow),
+        pytest.param("apply_if_finite", marks=pytest.mark.slow),
+        "flax",
+    ],
+)
 def test_every_approach_skips_an_overflowing_float16_step(benchmarks_on_path, approach):
     """The hand-written steps and peers skip a float16 overflow (jaxmp's is tested elsewhere)."""
     import _model
@@ -165,6 +174,7 @@ def test_compile_cost_breakdown_rows(benchmarks_on_path):
     assert float(rows["jaxmp.loss_scaling(adam)"][selects]) >= 4
 
 
+@pytest.mark.slow  # trains both steps for a while
 def test_gpu_benchmark_low_memory_step_tracks_mixed_bfloat16(benchmarks_on_path):
     import _model
     import gpu_benchmark

@@ -89,7 +89,23 @@ def _runnable(page: pathlib.Path) -> bool:
     return any(b.lang == "python" and not b.excerpt_of for b in blocks(page))
 
 
-@pytest.mark.parametrize("page", [p for p in pages() if _runnable(p)], ids=_name)
+# The pages that take longest to run (each over 6 s on 2 cores: they compile inspected, FP8
+# and multi-device programs) run with the tests marked slow; CI runs every page.
+SLOW_PAGES = {
+    "docs/guides/fp8.md",
+    "docs/guides/inspector.md",
+    "docs/guides/low_memory.md",
+    "docs/guides/sharding.md",
+    "docs/guides/troubleshooting.md",
+}
+
+
+def _page_param(page: pathlib.Path) -> object:
+    marks = [pytest.mark.slow] if _name(page) in SLOW_PAGES else []
+    return pytest.param(page, marks=marks, id=_name(page))
+
+
+@pytest.mark.parametrize("page", [_page_param(p) for p in pages() if _runnable(p)])
 def test_page_runs(page):
     devices = _devices(page)
     if devices is None:

@@ -140,6 +140,7 @@ def test_import_jaxmp_does_not_import_flax():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow  # trains a classifier per policy (the fixture)
 @pytest.mark.parametrize("name", ["mixed_float16", "float16_params"])
 def test_mixed_precision_matches_float32_accuracy(trained, name):
     acc32 = trained["float32"][3]
@@ -148,6 +149,7 @@ def test_mixed_precision_matches_float32_accuracy(trained, name):
     assert abs(acc - acc32) <= 0.01, (name, acc, acc32)
 
 
+@pytest.mark.slow  # the same trained classifiers
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_trained_state_dtypes_and_loss_scale(trained, name):
     state, losses, metrics, _ = trained[name]

@@ -18,7 +18,7 @@ from flax import nnx
 import jaxmp
 import jaxmp.linen
 import jaxmp.nnx
-from tests.conftest import BF16, F16, F32
+from tests.conftest import BF16, F16, F32, diagonal_cases
 from tests.test_cost import SHAPES
 from tests.test_nnx import digits
 
@@ -131,8 +131,18 @@ CHECKED_MODES = {
 }
 
 
-@pytest.mark.parametrize("moments", ["float32", "bfloat16", "int8", "fp8", ("bf16", "int8")])
-@pytest.mark.parametrize("mode", list(CHECKED_MODES))
+CHECKED_MOMENTS = ["float32", "bfloat16", "int8", "fp8", ("bf16", "int8")]
+
+
+@pytest.mark.parametrize(
+    ("mode", "moments"),
+    diagonal_cases(
+        list(CHECKED_MODES),
+        CHECKED_MOMENTS,
+        list(CHECKED_MODES),
+        [m if isinstance(m, str) else "+".join(m) for m in CHECKED_MOMENTS],
+    ),
+)
 def test_check_outputs_through_mixed_precision_in_every_moment_format(mode, moments):
     # The README's check_outputs guarantee, through mixed_precision: Adam's second moment of
     # a gradient of 1e20 is inf; the step is skipped, nothing non-finite reaches the params

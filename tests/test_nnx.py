@@ -106,6 +106,7 @@ def trained():
     return out
 
 
+@pytest.mark.slow  # trains a classifier per policy (the fixture)
 @pytest.mark.parametrize(
     "name", ["mixed_float16", "float16_params", "float16_params_set_policy_first"]
 )
@@ -116,6 +117,7 @@ def test_mixed_precision_matches_float32_accuracy(trained, name):
     assert abs(acc - acc32) <= 0.01, (name, acc, acc32)
 
 
+@pytest.mark.slow  # the same trained classifiers
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_trained_model_dtypes_and_loss_scale(trained, name):
     model, optimizer, losses, skipped, _ = trained[name]

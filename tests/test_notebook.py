@@ -50,6 +50,7 @@ print("REPORT " + json.dumps({
 """
 
 
+@pytest.mark.slow  # executes the notebook, which trains
 def test_notebook_executes_and_trains():
     # One execution through a Jupyter kernel checks both that the notebook runs and, through
     # its printed report, the numbers (the script has the same cells: see the test above).

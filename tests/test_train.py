@@ -963,6 +963,7 @@ def test_every_precision_starts_from_the_same_float32_init():
     assert_identical(master.master, reference)
 
 
+@pytest.mark.slow  # a training run; FP8's numerics are tested op by op in test_fp8*.py
 def test_fp8_current_scaling_trains_like_bfloat16(tmp_path):
     bf16 = run(tiny("mixed_bfloat16", "steps=8"), tmp_path / "bf16")
     fp8 = run(tiny("mixed_fp8", "steps=8"), tmp_path / "fp8")
