@@ -13,20 +13,7 @@ import serve  # noqa: E402
 from lm import config as config_lib  # noqa: E402
 from lm import loop  # noqa: E402
 
-TINY = (
-    "num_layers=1",
-    "num_heads=2",
-    "d_model=32",
-    "mlp_ratio=2",
-    "seq_len=16",
-    "batch_size=8",
-    "steps=24",
-    "warmup_steps=2",
-    "learning_rate=0.01",
-    "eval_interval=12",
-    "eval_batches=2",
-    "checkpoint_interval=100",
-)
+from tests.test_train import TINY  # noqa: E402
 
 
 @pytest.mark.slow
