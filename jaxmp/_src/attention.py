@@ -105,14 +105,6 @@ def dot_product_attention(
         raise ValueError(
             f"`implementation` must be one of None, 'xla', 'cudnn', got {implementation!r}."
         )
-    if implementation is None and _intercepting():
-        # Traced by autocast (float32 operands of a float32 model, say): marked, so that
-        # autocast calls this function again on the operands in the compute dtype.
-        return _jax_attention(
-            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size,
-        )  # fmt: skip
     options = dict(
         scale=scale,
         is_causal=is_causal,
@@ -120,6 +112,10 @@ def dot_product_attention(
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
     )
+    if implementation is None and _intercepting():
+        # Traced by autocast (float32 operands of a float32 model, say): marked, so that
+        # autocast calls this function again on the operands in the compute dtype.
+        return _jax_attention(query, key, value, bias, mask, **options)
     if implementation is not None:
         return _jax_attention(
             query, key, value, bias, mask, **options, implementation=implementation

@@ -353,8 +353,7 @@ class _InspectRules(interpret.Rules):
             v.row = bad[0].row
             v.origin = None if v.row else self._origin_of(bad[0], eqn, interp)
         else:
-            name = locations._constant_name(v.value)
-            v.origin = locations._origin("constant", name, v.value, eqn, interp, self.caller)
+            self._origin_of(v, eqn, interp)
 
     def _host_row(
         self, meta: locations._Meta, v: _Value, vals: list[_Value], eqn: Any, interp: Any
