@@ -335,17 +335,18 @@ def test_linen_attention_with_a_two_dimensional_mask_or_bias_is_dispatched(which
     assert rel_err(jax.jit(f)(q, k, v, arg), attend(q, k, v, arg)) <= TOLERANCE[BF16]
 
 
+def linen_attention(q, k, v, mask):
+    return nn.dot_product_attention(q, k, v, mask=mask)
+
+
 def test_linen_rank5_attention_with_a_mask_broadcast_over_a_batch_dimension():
     # Linen accepts a (2, 1, N, T, S) mask for (2, 3, T, N, H) operands. The dispatcher reshapes
     # the mask to (2, N, T, S) against a batch of 6 and fails ("incompatible shapes").
     q, k, v = (x.reshape(1, B, T, N, H).repeat(3, axis=0).transpose(1, 0, 2, 3, 4) for x in qkv())
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, 1, N, T, T))
 
-    def attend(q, k, v, mask):
-        return nn.dot_product_attention(q, k, v, mask=mask)
-
-    out = jax.jit(jaxmp.autocast(attend, "mixed_bfloat16"))(q, k, v, mask)
-    assert rel_err(out, attend(q, k, v, mask)) <= TOLERANCE[BF16]
+    out = jax.jit(jaxmp.autocast(linen_attention, "mixed_bfloat16"))(q, k, v, mask)
+    assert rel_err(out, linen_attention(q, k, v, mask)) <= TOLERANCE[BF16]
 
 
 def test_linen_float_mask_keeps_its_small_nonzero_entries():
@@ -354,11 +355,8 @@ def test_linen_float_mask_keeps_its_small_nonzero_entries():
     q, k, v = qkv()
     mask = jnp.broadcast_to(jnp.where(jnp.tril(jnp.ones((T, T), bool)), 1e-8, 0.0), (B, N, T, T))
 
-    def attend(q, k, v, mask):
-        return nn.dot_product_attention(q, k, v, mask=mask)
-
-    out = jax.jit(jaxmp.autocast(attend, "mixed_float16"))(q, k, v, mask)
-    assert rel_err(out, attend(q, k, v, mask)) <= TOLERANCE[F16]
+    out = jax.jit(jaxmp.autocast(linen_attention, "mixed_float16"))(q, k, v, mask)
+    assert rel_err(out, linen_attention(q, k, v, mask)) <= TOLERANCE[F16]
 
 
 # --- Attention: what is dispatched ------------------------------------------------------------
