@@ -474,3 +474,28 @@ def test_check_outputs_skips_an_fp8_attention_step_whose_update_overflows(fp8):
     chex.assert_trees_all_equal(new_state.inner_state, opt_state.inner_state)
     assert all(p.dtype == BF16 for p in jax.tree.leaves(new_params))
     assert bool(jaxmp.all_finite((new_params, jaxmp.inner_state(new_state))))
+
+
+# --- Attention: the options as users write them -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"scale": 1 / np.sqrt(H)},  # np.float64: its repr is not a Python literal
+        {"scale": np.float32(0.25)},
+        {"is_causal": np.bool_(True)},
+        {"return_residual": False},
+    ],
+    ids=["np-float64-scale", "np-float32-scale", "np-bool", "return-residual-false"],
+)
+def test_numpy_scalar_options_and_explicit_defaults_are_dispatched(options):
+    q, k, v = qkv()
+
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, **options)
+
+    f = jaxmp.autocast(attend, "mixed_bfloat16")
+    inside, _ = dispatched(jax.make_jaxpr(f)(q, k, v))
+    assert inside  # marked and dispatched, not left to the op-by-op path
+    assert rel_err(jax.jit(f)(q, k, v), attend(q, k, v)) <= TOLERANCE[BF16]

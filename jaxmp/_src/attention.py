@@ -23,12 +23,14 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
@@ -112,11 +114,10 @@ def dot_product_attention(
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
     )
-    if implementation is None and _intercepting():
-        # Traced by autocast (float32 operands of a float32 model, say): marked, so that
-        # autocast calls this function again on the operands in the compute dtype.
-        return _jax_attention(query, key, value, bias, mask, **options)
-    if implementation is not None:
+    if implementation is not None or _intercepting():
+        # A forced implementation; or traced by autocast (float32 operands of a float32
+        # model, say): marked, so that autocast calls this function again on the operands in
+        # the compute dtype.
         return _jax_attention(
             query, key, value, bias, mask, **options, implementation=implementation
         )
@@ -164,11 +165,23 @@ def _widen(x: Any) -> Any:
 # Marking attention while a function is traced (`jaxmp.autocast`).
 
 
-def _static(value: Any) -> bool:
-    """Whether `value` can be written into a ``jit``'s name (and read back)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    return isinstance(value, tuple) and all(_static(v) for v in value)
+class _NotLiteral(Exception):
+    """An option that a ``jit``'s name cannot carry."""
+
+
+def _literal(value: Any) -> Any:
+    """`value` as a Python literal that a ``jit``'s name carries and `read_mark` reads back:
+    numpy scalars (``1 / np.sqrt(d)``) as Python ones, tuples item by item; raises
+    `_NotLiteral` for anything else (an array, a non-finite float)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float and math.isfinite(value):
+        return value
+    if type(value) is tuple:
+        return tuple(_literal(v) for v in value)
+    raise _NotLiteral(value)
 
 
 def mark(
@@ -217,15 +230,21 @@ def _marked_jax_attention(original: Callable[..., Any]) -> Callable[..., Any]:
             "query_seq_lengths": kwargs.pop("query_seq_lengths", None),
             "key_value_seq_lengths": kwargs.pop("key_value_seq_lengths", None),
         }
-        plain = kwargs.get("implementation") is not None or kwargs.get("return_residual")
+        given = {n: v for n, v in arrays.items() if n not in ("query", "key", "value")}
         floating = all(
             jnp.issubdtype(jnp.result_type(arrays[n]), jnp.floating)
             for n in ("query", "key", "value")
         )
-        if plain or not floating or not all(_static(v) for v in kwargs.values()):
-            given = {n: v for n, v in arrays.items() if n not in ("query", "key", "value")}
+        try:
+            options = {k: _literal(v) for k, v in kwargs.items()}
+        except _NotLiteral:
             return original(query, key, value, **given, **kwargs)
-        return mark("jax", lambda given: original(**given, **kwargs), arrays, dict(kwargs))
+        # Dispatched: a floating call that asks for no implementation and no softmax
+        # residuals (an explicit ``return_residual=False`` is the default).
+        residual = options.pop("return_residual", False)
+        if residual or options.get("implementation") is not None or not floating:
+            return original(query, key, value, **given, **kwargs)
+        return mark("jax", lambda given: original(**given, **options), arrays, options)
 
     return attention
 
