@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax import lax
 
 import jaxmp
 import jaxmp.linen
@@ -331,6 +332,19 @@ def test_a_delayed_state_used_twice_in_one_differentiated_call_is_refused():
             jax.grad(loss_once, (0, 1))(p, s, f, x),
         )
     )(params, state)
+
+
+def test_a_delayed_state_in_both_branches_of_a_cond_is_refused_as_documented():
+    # Only one branch runs, but the check runs while both are traced: the guide and the error
+    # say so and tell the user to call the model outside the `cond`.
+    f, params, x, state = _delayed()
+
+    def loss(params, state, pred):
+        g = f.with_fp8_state(state)
+        return jnp.sum(lax.cond(pred, lambda: g(params, x), lambda: g(params, 2 * x)))
+
+    with pytest.raises(ValueError, match="both branches of one `lax.cond`"):
+        jax.grad(loss, (0, 1))(params, state, True)
 
 
 def loss_once(params, state, f, x):

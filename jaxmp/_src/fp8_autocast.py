@@ -417,7 +417,8 @@ _USED_TWICE = (
     "value comes back as its gradient, and the gradients of two uses would add up (twice "
     "the amaxes and scales). Run the model once per step on all the inputs (concatenate "
     "them, or `jax.vmap` over them: under vmap the state records the amax of the whole "
-    "batch), or give each call its own state."
+    "batch), or give each call its own state. Calls in both branches of one `lax.cond` count "
+    "as two uses: call the model outside the `cond`."
 )
 
 
