@@ -95,19 +95,24 @@ class _Recipe:
 
     fwd_dtype: Any
     bwd_dtype: Any
+    min_size: int
 
-    def _check_dtypes(self) -> None:
+    def _check_common(self) -> None:
+        """Checks (and normalises) the fields every recipe has."""
         object.__setattr__(self, "fwd_dtype", _fp8_dtype(self.fwd_dtype, "fwd_dtype"))
         object.__setattr__(self, "bwd_dtype", _fp8_dtype(self.bwd_dtype, "bwd_dtype"))
+        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
 
 
 @dataclasses.dataclass(frozen=True)
 class Float8CurrentScaling(_Recipe):
     """Per-tensor FP8 scaling from the tensor's own amax ("tensorwise"; stateless).
 
-    Each operand of an FP8 matmul is multiplied by ``fp8_max / amax`` (its largest absolute
-    value maps to the format's largest finite value), cast to FP8, and the float32 product
-    is divided by both scales. The same for the gradient in the backward pass. As
+    Each operand of an FP8 matmul is multiplied by the largest power of two that keeps its
+    largest finite absolute value within the format's largest finite value (``fp8_max /
+    amax``, rounded down to a power of two), cast to FP8 (NaN and inf stay NaN and inf), and
+    dequantised by the same power of two in the compute dtype, in which the product is
+    computed. The same for the gradient in the backward pass. As
     Transformer Engine's ``Float8CurrentScaling`` recipe (``Format.HYBRID``: E4M3 forward,
     E5M2 backward) and torchao's tensorwise float8 training. Under ``jax.shard_map`` the
     amax is reduced over the axes the tensor varies along, so every device uses one scale.
@@ -134,8 +139,7 @@ class Float8CurrentScaling(_Recipe):
     min_size: int = 0
 
     def __post_init__(self) -> None:
-        self._check_dtypes()
-        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
+        self._check_common()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +151,10 @@ class DelayedScaling(_Recipe):
     the previous step, records the tensor's amax in the history, and computes the next
     scale with Transformer Engine's rule (``nvte_delayed_scaling_recipe_amax_and_scale_update``):
     ``amax = max(history)`` (or ``history[0]``, the current step's, for ``"most_recent"``),
-    ``scale = (fp8_max / amax) / 2**margin`` (the old scale kept when the amax is zero or not
-    finite), then the history is rotated by one and its first entry zeroed. The state starts
-    with a zero history and scales of 1.
+    ``scale = (fp8_max / amax) / 2**margin`` rounded down to a power of two (the old scale
+    kept when the amax is zero; an amax is that of the finite values, so NaN and inf never
+    enter the history), then the history is rotated by one and its first entry zeroed. The
+    state starts with a zero history and scales of 1.
 
     The state is a `Float8State` (`jaxmp.Autocast.fp8_init`), an explicit argument of the
     call (`jaxmp.Autocast.with_fp8_state`); its gradient is its next value (see
@@ -190,8 +195,7 @@ class DelayedScaling(_Recipe):
             choices = ", ".join(repr(a) for a in AMAX_COMPUTE_ALGOS)
             raise ValueError(f"`amax_compute` must be one of {choices}, got {self.amax_compute!r}.")
         object.__setattr__(self, "margin", _positive_int(self.margin, "margin", minimum=0))
-        self._check_dtypes()
-        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
+        self._check_common()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +246,7 @@ class Float8BlockScaling(_Recipe):
             "weight_block_size",
             _positive_int(self.weight_block_size, "weight_block_size"),
         )
-        self._check_dtypes()
-        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
+        self._check_common()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +284,7 @@ class MXFP8BlockScaling(_Recipe):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", _positive_int(self.block_size, "block_size"))
-        self._check_dtypes()
-        object.__setattr__(self, "min_size", _positive_int(self.min_size, "min_size", minimum=0))
+        self._check_common()
 
 
 #: Any FP8 recipe.
