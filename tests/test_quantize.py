@@ -1,6 +1,7 @@
 """Tests of jaxmp.quantize and jaxmp.quantized: recipes against numpy, kernels, integrations."""
 
 import pathlib
+import re
 import sys
 
 import equinox as eqx
@@ -390,3 +391,234 @@ def test_nonfinite_weight_is_reported_with_its_path(bad):
         r"values, the first at index \(5, 7\)",
     ):
         jaxmp.quantize(_mlp, p, x, recipe="int8")
+
+
+# --------------------------------------------------------------------------------------------
+# Attacks: the library's guarantees with quantised params (non-finite values, extreme
+# magnitudes, every float dtype, strict promotion, jax_debug_nans, transformation orders,
+# differentiation, bad arguments).
+
+
+def _one_matmul(p, x):
+    return x @ p["w"]
+
+
+def _attack_weight(dtype):
+    """Normal weights and columns made to be read exactly: all ones, all zeros (an all-zero
+    channel: 0 * inf), alternating +-1 (a sum of 0) and 1/64."""
+    w = np.random.default_rng(8).normal(size=(64, 8)).astype(np.float32) / 8
+    w[:, 2], w[:, 3], w[:, 4], w[:, 5] = 1.0, 0.0, np.resize([1.0, -1.0], 64), 1 / 64
+    return {"w": jnp.asarray(w, dtype)}
+
+
+HALF_AND_SINGLE = [jnp.float16, jnp.bfloat16, jnp.float32]
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_nonfinite_activations_give_nonfinite_outputs(name, dtype):
+    # As FP8 autocast: quantisation never turns a NaN or an overflow into a finite number
+    # (a row's NaN must not vanish into a scale of 1), nor a finite value into NaN.
+    p = _attack_weight(dtype)
+    x = jax.random.normal(jax.random.key(9), (4, 64)).astype(dtype)
+    x = x.at[0, 5].set(jnp.nan).at[1, 6].set(jnp.inf).at[2, 7].set(-jnp.inf)
+    q = jaxmp.quantize(_one_matmul, p, x, recipe=RECIPES[name])
+    y = jax.jit(jaxmp.quantized(_one_matmul))(q, x)
+    ref = _one_matmul(p, x)
+    assert y.dtype == ref.dtype
+    np.testing.assert_array_equal(
+        np.isfinite(np.asarray(y, np.float32)), np.isfinite(np.asarray(ref, np.float32))
+    )
+    assert not np.isfinite(np.asarray(y, np.float32)[:3]).any()
+    assert np.isnan(np.asarray(y, np.float32)[0]).all()  # NaN stays NaN, not inf
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_extreme_finite_activations_and_a_zero_row(name, dtype):
+    p = _attack_weight(dtype)
+    rows = np.ones((6, 64), np.float32) * np.array([[1.0], [1e20], [1e-30], [0.0], [3e4], [1e-45]])
+    rows[0] = np.random.default_rng(10).normal(size=64)
+    x = jnp.asarray(rows).astype(dtype)  # float16: 1e20 is inf, 1e-30 is 0
+    q = jaxmp.quantize(_one_matmul, p, x, recipe=RECIPES[name])
+    y = np.asarray(jax.jit(jaxmp.quantized(_one_matmul))(q, x), np.float32)
+    ref = np.asarray(_one_matmul(p, x), np.float32)
+    # float16: 3e4 times a column of ones overflows in both, 3e4 / 64 does not.
+    np.testing.assert_array_equal(np.isfinite(y), np.isfinite(ref))
+    assert not np.isnan(y[2:]).any()  # tiny and zero rows: no 0 / 0 in a scale
+    np.testing.assert_array_equal(y[3], 0.0)
+    for i in (0, 1, 2, 4):
+        if np.isfinite(ref[i]).all() and np.abs(ref[i]).max() > 0:
+            assert _rel_err(y[i], ref[i]) < MODEL_TOLERANCE[name], i
+
+
+def test_float64_model_keeps_float64_range_and_dtype():
+    # Scales and accumulation follow the model: float32 scales would overflow at 1e300 and
+    # round 1e-300 to zero.
+    with jax.enable_x64(True):
+        w = _attack_weight(jnp.float64)["w"]
+        x = jax.random.normal(jax.random.key(11), (3, 64), jnp.float64)
+        for name, recipe in RECIPES.items():
+            for w_scale, x_scale in ((1e300, 1e-300), (1e-300, 1e300), (1.0, 1e300)):
+                p = {"w": w * w_scale}
+                q = jaxmp.quantize(_one_matmul, p, x, recipe=recipe)
+                with jax.numpy_dtype_promotion("strict"):
+                    y = jax.jit(jaxmp.quantized(_one_matmul))(q, x * x_scale)
+                ref = _one_matmul(p, x * x_scale)
+                assert y.dtype == ref.dtype == jnp.float64
+                assert np.isfinite(np.asarray(ref)).all() and np.isfinite(np.asarray(y)).all()
+                err = _rel_err(y / (w_scale * x_scale), ref / (w_scale * x_scale))
+                assert err < MODEL_TOLERANCE[name], (name, w_scale, x_scale)
+
+
+def _mixed_leaves(p, x):
+    h = x @ p["w"].astype(x.dtype) + p["b"].astype(x.dtype)
+    return h * p["n"], p["step"], p["mask"], p["z"]
+
+
+@pytest.mark.parametrize("x_dtype", HALF_AND_SINGLE)
+@pytest.mark.parametrize("p_dtype", HALF_AND_SINGLE)
+def test_dtypes_and_untouched_leaves_under_strict_promotion(p_dtype, x_dtype):
+    p = {
+        "w": _attack_weight(p_dtype)["w"],
+        "b": jnp.ones((8,), p_dtype),
+        "n": 3,  # a Python int
+        "step": jnp.asarray(3, jnp.int32),
+        "mask": jnp.ones((4,), bool),
+        "z": jnp.ones((2,), jnp.complex64),
+    }
+    x = jax.random.normal(jax.random.key(12), (2, 64)).astype(x_dtype)
+    for name, recipe in RECIPES.items():
+        with jax.numpy_dtype_promotion("strict"):
+            q = jaxmp.quantize(_mixed_leaves, p, x, recipe=recipe)
+            outs = jax.jit(jaxmp.quantized(_mixed_leaves))(q, x)
+            refs = _mixed_leaves(p, x)
+        assert isinstance(q["w"], jaxmp.QuantizedArray) and q["w"].dtype == p_dtype
+        for key in ("b", "n", "step", "mask", "z"):
+            assert q[key] is p[key], (name, key)
+        assert [o.dtype for o in outs] == [r.dtype for r in refs], name
+        assert _rel_err(outs[0], refs[0]) < MODEL_TOLERANCE[name], name
+
+
+def test_debug_nans_reports_no_false_nan():
+    # All-zero weight channels, all-zero int4 groups and an all-zero activation row: each
+    # scale is 1 there, never 0 / 0.
+    p = _attack_weight(jnp.float32)
+    x = jax.random.normal(jax.random.key(13), (3, 64)).at[1].set(0.0)
+    for recipe in RECIPES.values():
+        q = jaxmp.quantize(_one_matmul, p, x, recipe=recipe)
+        with jax.debug_nans(True):
+            y = jax.jit(jaxmp.quantized(_one_matmul))(q, x)
+            jaxmp.quantized(_one_matmul)(q, jnp.zeros_like(x))
+            jax.block_until_ready(y)
+        assert np.isfinite(np.asarray(y)).all()
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_transformation_orders(name):
+    layers = {"w": jax.random.normal(jax.random.key(14), (3, 64, 64)) / 8}
+    x = jax.random.normal(jax.random.key(15), (4, 64))
+
+    def layer(p, h):
+        return jnp.tanh(h @ p["w"])
+
+    def stack(ps, h):
+        return lax.scan(lambda c, p: (layer(p, c), None), h, ps)[0]
+
+    q = jaxmp.quantize(stack, layers, x, recipe=RECIPES[name])
+    run = jaxmp.quantized(stack)
+    y = run(q, x)
+    assert _rel_err(y, stack(layers, x)) < MODEL_TOLERANCE[name]
+    run_layer = jaxmp.quantized(layer)
+    jit_layer = jax.jit(run_layer)
+    orders = {
+        "jit(vmap)": jax.jit(jax.vmap(run, in_axes=(None, 0)))(q, x[:, None])[:, 0],
+        "vmap(jit)": jax.vmap(jax.jit(run), in_axes=(None, 0))(q, x[:, None])[:, 0],
+        "vmap(vmap)": jax.vmap(jax.vmap(run, in_axes=(None, 0)), in_axes=(None, 0))(
+            q, x[:, None, None]
+        )[:, 0, 0],
+        "jit(scan) over the layers": jax.jit(
+            lambda q, h: lax.scan(lambda c, p: (run_layer(p, c), None), h, q)[0]
+        )(q, x),
+        "scan(jit) over the layers": lax.scan(lambda c, p: (jit_layer(p, c), None), x, q)[0],
+        "jit(jit)": jax.jit(jax.jit(run))(q, x),
+    }
+    for order, out in orders.items():
+        np.testing.assert_allclose(
+            np.asarray(out), np.asarray(y), rtol=1e-5, atol=1e-5, err_msg=order
+        )
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_differentiating_quantized_is_an_error(name):
+    # Rounding has no useful derivative: int8_dynamic's would be the derivative of its
+    # activation scales alone. Inference only, so differentiation is refused, not wrong.
+    p, x = _mlp_params(jnp.float32), jnp.ones((2, 64))
+    q = jaxmp.quantize(_mlp, p, x, recipe=RECIPES[name])
+    run = jaxmp.quantized(_mlp)
+    with pytest.raises(TypeError, match=r"jaxmp.quantized\(_mlp\) is inference-only"):
+        jax.grad(lambda x: run(q, x).sum())(x)
+    with pytest.raises(TypeError, match="inference-only"):
+        jax.jvp(lambda x: run(q, x), (x,), (x,))
+    with pytest.raises(TypeError, match="inference-only"):
+        jax.jit(jax.grad(lambda s: run(q, x * s).sum()))(1.0)
+    # A derivative that does not flow through the quantised model is fine.
+    y = run(q, x)
+    g = jax.grad(lambda t: t * lax.stop_gradient(run(q, x)).sum() + t * run(q, x).sum())(2.0)
+    np.testing.assert_allclose(float(g), 2 * float(y.sum()), rtol=1e-5)
+
+
+def test_recipe_of_the_wrong_type_names_it_and_the_choices():
+    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
+    with pytest.raises(
+        TypeError,
+        match=r"`recipe` must be .*got the class jaxmp.Int8WeightOnly; "
+        r"pass an instance: jaxmp.Int8WeightOnly\(\)",
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe=jaxmp.Int8WeightOnly)
+    with pytest.raises(
+        TypeError, match=r"`recipe` must be a quantisation recipe .*'int4'\), got DelayedScaling"
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe=jaxmp.DelayedScaling())
+    with pytest.raises(TypeError, match=r"`recipe` must be .*got None\."):
+        jaxmp.quantization_plan(_mlp, p, x, recipe=None)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1, 33, 2.0, 64.0, "64", True, None])
+def test_group_size_errors(bad):
+    with pytest.raises(
+        ValueError,
+        match=rf"`group_size` must be a positive even integer \(64, 128, 256, ...\), "
+        rf"got {re.escape(repr(bad))}\.",
+    ):
+        jaxmp.Int4WeightOnly(group_size=bad)
+
+
+def test_group_size_accepts_numpy_integers():
+    recipe = jaxmp.Int4WeightOnly(group_size=np.int64(64))
+    assert type(recipe.group_size) is int
+    assert recipe == jaxmp.Int4WeightOnly(64) and hash(recipe) == hash(jaxmp.Int4WeightOnly(64))
+
+
+@pytest.mark.parametrize("bad", [3, ["w1", 3], b"w1", {"w1"}])
+def test_exclude_of_the_wrong_type(bad):
+    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
+    with pytest.raises(
+        TypeError,
+        match=rf"`exclude` must be a regex or a sequence of regexes \(strings\), "
+        rf"got {re.escape(repr(bad))}\.",
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=bad)
+    with pytest.raises(ValueError, match=r"`exclude` must hold valid regexes, got '\(\('"):
+        jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=["w1", "(("])
+
+
+def test_quantising_twice_is_an_error_naming_the_leaf():
+    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
+    q = jaxmp.quantize(_mlp, p, x, recipe="int8")
+    message = r"`params` leaf 'w1' is already quantised \(QuantizedArray\(int8, shape=\(64, 128\)"
+    for fun in (_mlp, jaxmp.quantized(_mlp)):
+        with pytest.raises(ValueError, match=message):
+            jaxmp.quantize(fun, q, x, recipe="int4")
+        with pytest.raises(ValueError, match=message):
+            jaxmp.quantization_plan(fun, q, x, recipe="int8")

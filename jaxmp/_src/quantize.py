@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -130,7 +131,7 @@ class Int4WeightOnly:
     Keras 3's ``model.quantize("int4")``.
 
     Args:
-      group_size: values per scale, a positive even integer (default 128).
+      group_size: values per scale, a positive even integer, numpy's too (default 128).
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
@@ -146,18 +147,22 @@ class Int4WeightOnly:
 
     def __post_init__(self) -> None:
         size = self.group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2 or size % 2:
+        try:
+            n = -1 if isinstance(size, bool) else operator.index(size)
+        except TypeError:
+            n = -1
+        if n < 2 or n % 2:
             raise ValueError(
                 f"`group_size` must be a positive even integer (64, 128, 256, ...), got {size!r}."
             )
+        object.__setattr__(self, "group_size", n)  # a numpy integer stored as an int
 
 
 Recipe = Int8WeightOnly | Int8DynamicActivations | Float8Rowwise | Int4WeightOnly
 
+_RECIPE_TYPES = (Int8WeightOnly, Int8DynamicActivations, Float8Rowwise, Int4WeightOnly)
 #: The recipes by name, for ``recipe="int8"``.
-RECIPES: dict[str, Any] = {
-    cls.name: cls for cls in (Int8WeightOnly, Int8DynamicActivations, Float8Rowwise, Int4WeightOnly)
-}
+RECIPES: dict[str, Any] = {cls.name: cls for cls in _RECIPE_TYPES}
 
 
 def get_recipe(recipe: Any) -> Recipe:
@@ -167,7 +172,7 @@ def get_recipe(recipe: Any) -> Recipe:
       ValueError: for an unknown name, listing the names (and the closest one).
       TypeError: for anything else.
     """
-    if isinstance(recipe, (Int8WeightOnly, Int8DynamicActivations, Float8Rowwise, Int4WeightOnly)):
+    if isinstance(recipe, _RECIPE_TYPES):
         return recipe
     choices = ", ".join(repr(n) for n in RECIPES)
     if isinstance(recipe, str):
@@ -177,9 +182,11 @@ def get_recipe(recipe: Any) -> Recipe:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"`recipe` must be one of {choices}, got {recipe!r}.{hint}")
     classes = ", ".join(f"jaxmp.{c.__name__}()" for c in RECIPES.values())
+    got = repr(recipe)
+    if isinstance(recipe, type) and recipe in RECIPES.values():
+        got = f"the class jaxmp.{recipe.__name__}; pass an instance: jaxmp.{recipe.__name__}()"
     raise TypeError(
-        f"`recipe` must be a quantisation recipe ({classes}) or its name ({choices}), "
-        f"got {recipe!r}."
+        f"`recipe` must be a quantisation recipe ({classes}) or its name ({choices}), got {got}."
     )
 
 
@@ -205,8 +212,9 @@ class QuantizedArray:
       values: int8 or E4M3 values of the weight's shape; for `Int4WeightOnly`, uint8 of shape
         ``(*output channels, contraction size // 2)`` (the contraction axes moved last,
         flattened, two values per byte).
-      scales: float32; the weight's shape with 1 on the contraction axes, or for
-        `Int4WeightOnly` ``(*output channels, contraction size // group_size)``.
+      scales: float32 (float64 for a float64 weight); the weight's shape with 1 on the
+        contraction axes, or for `Int4WeightOnly` ``(*output channels, contraction size //
+        group_size)``.
       recipe: the recipe it was quantised with.
       dtype: the dtype of the weight it stands for.
       contract: the contraction axes, negative.
@@ -245,10 +253,10 @@ class QuantizedArray:
         """The weight it stands for, in `dtype` (default its own)."""
         dtype = self.dtype if dtype is None else jnp.dtype(dtype)
         if not isinstance(self.recipe, Int4WeightOnly):
-            return (self.values.astype(jnp.float32) * self.scales).astype(dtype)
+            return (self.values.astype(self.scales.dtype) * self.scales).astype(dtype)
         q = unpack_int4(self.values)
         free = q.shape[:-1]
-        groups = q.reshape(*free, -1, self.recipe.group_size).astype(jnp.float32)
+        groups = q.reshape(*free, -1, self.recipe.group_size).astype(self.scales.dtype)
         x = (groups * self.scales[..., None]).reshape(*free, *self.contract_shape)
         ndim = len(free) + len(self.contract)
         source = tuple(range(len(free), ndim))
@@ -265,18 +273,32 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedArray)
 
 
+def scale_dtype(dtype: Any) -> Any:
+    """The dtype of the scales of a value of `dtype`: float32, float64 for float64 (whose
+    range float32 cannot hold: 1e300 would overflow, 1e-300 become 0)."""
+    return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
+
+
 def absmax_scale(x: jax.Array, axes: Sequence[int], qmax: float) -> jax.Array:
-    """float32 ``amax / qmax`` over `axes` (kept, size 1); 1 where the amax is 0."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(axes), keepdims=True)
-    return jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+    """``amax / qmax`` over `axes` (kept, size 1), in `scale_dtype`.
+
+    1 where the amax is 0 (no 0 / 0), at least the dtype's smallest normal number (a
+    subnormal amax / qmax may be flushed to 0), NaN or inf where the amax is: a NaN or an
+    inf reaching a matmul gives a non-finite output, as without quantisation.
+    """
+    dtype = scale_dtype(x.dtype)
+    amax = jnp.max(jnp.abs(x.astype(dtype)), axis=tuple(axes), keepdims=True)
+    scale = jnp.maximum(amax / qmax, jnp.finfo(dtype).tiny)  # maximum propagates NaN
+    return jnp.where(amax == 0, jnp.ones_like(scale), scale)
 
 
 def quantize_values(x: jax.Array, scale: jax.Array, recipe: Any) -> jax.Array:
-    """`x / scale` rounded to nearest in the recipe's storage dtype (int8 or E4M3)."""
-    y = x.astype(jnp.float32) / scale
+    """`x / scale` rounded to nearest on the recipe's grid: E4M3, or int8 (int4's values
+    too, before `pack_int4`)."""
+    y = x.astype(scale.dtype) / scale
     if recipe.storage == _FP8:
         return jnp.clip(y, -_FP8_MAX, _FP8_MAX).astype(_FP8)
-    return jnp.clip(jnp.round(y), -recipe.qmax, recipe.qmax).astype(recipe.storage)
+    return jnp.clip(jnp.round(y), -recipe.qmax, recipe.qmax).astype(jnp.int8)
 
 
 def pack_int4(q: jax.Array) -> jax.Array:
@@ -318,8 +340,7 @@ def _quantize_array(x: jax.Array, contract: tuple[int, ...], recipe: Any) -> Qua
     moved = jnp.transpose(x, (*free, *contract)).reshape(*[x.shape[i] for i in free], k)
     groups = moved.reshape(*moved.shape[:-1], k // recipe.group_size, recipe.group_size)
     scale = absmax_scale(groups, (-1,), recipe.qmax)
-    q = jnp.clip(jnp.round(groups.astype(jnp.float32) / scale), -7, 7).astype(jnp.int8)
-    values = pack_int4(q.reshape(moved.shape))
+    values = pack_int4(quantize_values(groups, scale, recipe).reshape(moved.shape))
     return QuantizedArray(values, scale[..., 0], recipe, dtype, negative, contract_shape)
 
 
@@ -497,7 +518,13 @@ def _plan(
 ) -> tuple[Recipe, list[Any], Any, list[_Decision]]:
     recipe = get_recipe(recipe)
     patterns = _compile_exclude(exclude)
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)
+    for key_path, leaf in with_path:
+        if is_quantized(leaf):
+            raise ValueError(
+                f"`params` leaf {path_string(key_path)!r} is already quantised ({leaf!r}); "
+                "quantise the original params (`QuantizedArray.dequantize()` approximates one)."
+            )
     leaves = [leaf for _, leaf in with_path]
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
@@ -576,7 +603,7 @@ def _decide(
 def _check_finite(path: str, leaf: Any) -> None:
     if compat.is_tracer(leaf):
         return  # quantised inside a transformation: the values are not known here
-    values = np.asarray(jax.device_get(leaf), np.float32)
+    values = np.asarray(jax.device_get(leaf), np.float64)
     bad = ~np.isfinite(values)
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -653,7 +680,8 @@ def quantize(
 
     Raises:
       ValueError: for an unknown recipe name or an exclude pattern matching no leaf (both
-        listing the valid choices), or a weight holding NaN or inf (naming its path).
+        listing the valid choices), a weight holding NaN or inf, or a leaf that is a
+        `QuantizedArray` already (both naming its path).
       TypeError: for a recipe or exclude of the wrong type.
 
     Example:

@@ -86,19 +86,19 @@ def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
         operands = (b, a) if side == 0 else (a, b)  # a: the activations, b: the weight
         return lax.dot_general(*operands, dn, precision=precision, preferred_element_type=preferred)
 
-    w_scale = _to_output(w.scales, side, dn, ndims)
+    # Rescaled in float32, or float64 for a float64 matmul (its range).
+    acc_dtype = q_lib.scale_dtype(out_dtype)
+    w_scale = _to_output(w.scales, side, dn, ndims).astype(acc_dtype)
     recipe = w.recipe
     if isinstance(recipe, q_lib.Int8WeightOnly):
-        y = dot(x, w.values.astype(w.dtype), jnp.float32) * w_scale
+        y = dot(x, w.values.astype(w.dtype), acc_dtype) * w_scale
         return [y.astype(out_dtype)]
     x_contract = (lc, rc)[1 - side]
     x_scale = q_lib.absmax_scale(x, x_contract, recipe.qmax)
     xq = q_lib.quantize_values(x, x_scale, recipe)
-    if isinstance(recipe, q_lib.Int8DynamicActivations):
-        acc = dot(xq, w.values, jnp.int32).astype(jnp.float32)
-    else:
-        acc = dot(xq, w.values, jnp.float32)
-    y = acc * _to_output(x_scale, 1 - side, dn, ndims) * w_scale
+    preferred = jnp.int32 if isinstance(recipe, q_lib.Int8DynamicActivations) else jnp.float32
+    acc = dot(xq, w.values, preferred).astype(acc_dtype)
+    y = acc * _to_output(x_scale, 1 - side, dn, ndims).astype(acc_dtype) * w_scale
     return [y.astype(out_dtype)]
 
 
@@ -193,11 +193,27 @@ class Quantized:
         return self._run(spec, *dynamic)
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> Any:
-        """The jaxpr that runs for these arguments (its matmuls are the recipes' kernels)."""
+        """The jaxpr that runs for these arguments (its matmuls are the recipes' kernels),
+        without the `jax.custom_jvp` around it that refuses differentiation."""
         spec, dynamic = _split(args, kwargs)
-        return jax.make_jaxpr(functools.partial(self._run, spec))(*dynamic)
+        return jax.make_jaxpr(functools.partial(self._eval, spec))(*dynamic)
 
     def _run(self, spec: interpret.ArgSpec, *dynamic: Any) -> Any:
+        run = jax.custom_jvp(functools.partial(self._eval, spec))
+        run.defjvp(self._refuse_derivative)
+        return run(*dynamic)
+
+    def _refuse_derivative(self, primals: Any, tangents: Any) -> Any:
+        # Rounding to the int8/E4M3/int4 grid has a derivative of zero: int8_dynamic's would
+        # be that of its activation scales alone, silently wrong. JAX calls this only when a
+        # tangent flows into the quantised call.
+        raise TypeError(
+            f"{self!r} is inference-only: it cannot be differentiated (rounding to the "
+            "quantised grid has no useful derivative). Differentiate the function with the "
+            "unquantised params, or wrap what needs no derivative in `jax.lax.stop_gradient`."
+        )
+
+    def _eval(self, spec: interpret.ArgSpec, *dynamic: Any) -> Any:
         structs = [
             jax.ShapeDtypeStruct(x.shape, x.dtype) if q_lib.is_quantized(x) else x for x in dynamic
         ]
@@ -222,6 +238,8 @@ def quantized(fun: Callable[..., Any]) -> Quantized:
     Arguments that are not quantised pass through unchanged. Outside a transformation each
     argument signature is traced and compiled once; it composes with `jax.jit`, `jax.vmap`
     and `lax.scan` (quantised params may be scanned over, a stack of layers sliced per step).
+    It is inference only: a derivative flowing into the call (`jax.grad`, `jax.jvp`) is a
+    TypeError, never the silently wrong derivative of rounding.
 
     Args:
       fun: the function `jaxmp.quantize` was given.
