@@ -48,14 +48,15 @@ _LAYOUT_OPS = frozenset(
 _STATELESS_REGIONS = frozenset({"while", "custom_jvp_call"})
 
 
-def compile_exclude(exclude: Any) -> tuple[re.Pattern[str], ...]:
-    """`fp8_exclude` as compiled regexes; a ValueError/TypeError naming the argument."""
+def compile_exclude(exclude: Any, argument: str = "fp8_exclude") -> tuple[re.Pattern[str], ...]:
+    """`exclude` (None, a regex or a sequence of them) as compiled regexes; a ValueError or
+    TypeError naming `argument` (also `jaxmp.quantize`'s ``exclude``)."""
     if exclude is None:
         return ()
     patterns = [exclude] if isinstance(exclude, str) else exclude
     if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
         raise TypeError(
-            f"`fp8_exclude` must be a regex or a sequence of regexes (strings), got {exclude!r}."
+            f"`{argument}` must be a regex or a sequence of regexes (strings), got {exclude!r}."
         )
     compiled = []
     for pattern in patterns:
@@ -63,7 +64,7 @@ def compile_exclude(exclude: Any) -> tuple[re.Pattern[str], ...]:
             compiled.append(re.compile(pattern))
         except re.error as e:
             raise ValueError(
-                f"`fp8_exclude` must hold valid regexes, got {pattern!r} ({e})."
+                f"`{argument}` must hold valid regexes, got {pattern!r} ({e})."
             ) from None
     return tuple(compiled)
 

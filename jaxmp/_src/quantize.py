@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import compat
+from jaxmp._src.fp8_autocast import compile_exclude
 
 __all__ = [
     "Float8Rowwise",
@@ -479,23 +480,6 @@ def path_string(path: Sequence[Any]) -> str:
     return "/".join(_key_name(k) for k in path)
 
 
-def _compile_exclude(exclude: Any) -> tuple[re.Pattern[str], ...]:
-    patterns = [exclude] if isinstance(exclude, str) else exclude
-    if patterns is None:
-        return ()
-    if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
-        raise TypeError(
-            f"`exclude` must be a regex or a sequence of regexes (strings), got {exclude!r}."
-        )
-    compiled = []
-    for pattern in patterns:
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as e:
-            raise ValueError(f"`exclude` must hold valid regexes, got {pattern!r} ({e}).") from None
-    return tuple(compiled)
-
-
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
@@ -517,7 +501,7 @@ def _plan(
     exclude: Any,
 ) -> tuple[Recipe, list[Any], Any, list[_Decision]]:
     recipe = get_recipe(recipe)
-    patterns = _compile_exclude(exclude)
+    patterns = compile_exclude(exclude, "exclude")
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)
     for key_path, leaf in with_path:
         if is_quantized(leaf):
