@@ -31,7 +31,7 @@ import jaxmp
 import jaxmp.linen
 import jaxmp.nnx
 from benchmarks import _hlo
-from tests.conftest import TOLERANCE, all_eqns, fp8_dots, plain_dots
+from tests.conftest import FP8_DTYPES, TOLERANCE, all_eqns, fp8_dots, plain_dots
 from tests.test_fp8 import (
     E4M3,
     E5M2,
@@ -159,6 +159,23 @@ def test_fp8_convolution_forward_and_backward_against_float32():
     assert rel_err(y, y_ref) <= product_tolerance(E4M3, E4M3)
     for g, e in zip(got, want, strict=True):
         assert rel_err(g, e) <= product_tolerance(E5M2, E4M3)
+
+
+@pytest.mark.parametrize("op", ["matmul", "conv"])
+def test_the_backward_pass_keeps_the_operands_in_fp8(op):
+    # What a differentiated FP8 product saves for its backward pass: the operands quantised
+    # (one byte a value), not in the compute dtype.
+    if op == "conv":
+        fun, (w, x) = conv, conv_operands()
+    else:
+        fun = lambda w, x: x @ w  # noqa: E731
+        w, x = jax.random.normal(jax.random.key(0), (32, 16)), jnp.ones((8, 32))
+    f = jaxmp.autocast(fun, "mixed_bfloat16", fp8=CURRENT)
+    _, backward = jax.vjp(f, w, x)
+    saved = [r for r in jax.tree.leaves(backward) if np.size(r) >= min(w.size, x.size)]
+    assert saved and {jnp.dtype(r.dtype) for r in saved} <= set(FP8_DTYPES), [
+        (r.dtype, r.shape) for r in saved
+    ]
 
 
 # --- Transformations compose --------------------------------------------------------------

@@ -67,11 +67,17 @@ def quantize_tensor(
     minor (cuBLASLt's "TN" layout on Hopper) and XLA fuses the transposition into the
     quantisation.
     """
-    free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+    free = _remaining(x.ndim, contract, batch)
     laid_out = jnp.transpose(x, (*batch, *free, *contract))
     scale = jnp.ldexp(jnp.float32(1.0), exponent)
     limit = finite_limit(exponent, dtype, *dequant_dtypes)
     return Quantized(quantize(laid_out, scale, dtype, limit), exponent)
+
+
+def dequantize(x: Quantized, dtype: Any) -> jax.Array:
+    """`x`'s values in `dtype`: ``q.astype(dtype) * 2**-exponent`` (exact)."""
+    inverse = jnp.ldexp(jnp.float32(1.0), -x.exponent).astype(dtype)
+    return x.q.astype(dtype) * inverse
 
 
 def dequantized_dot(
@@ -87,11 +93,6 @@ def dequantized_dot(
     float32 product written in between.
     """
     out_dtype = jnp.dtype(out_dtype)
-
-    def dequantize(x: Quantized) -> jax.Array:
-        inverse = jnp.ldexp(jnp.float32(1.0), -x.exponent).astype(out_dtype)
-        return x.q.astype(out_dtype) * inverse
-
     batch = tuple(range(nbatch))
     dims = (
         (
@@ -100,34 +101,31 @@ def dequantized_dot(
         ),
         (batch, batch),
     )
-    return lax.dot_general(dequantize(a), dequantize(b), dims, preferred_element_type=out_dtype)
+    return lax.dot_general(
+        dequantize(a, out_dtype), dequantize(b, out_dtype), dims, preferred_element_type=out_dtype
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # The block recipes' product.
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["scale"], meta_fields=["dtype", "weight"]
-)
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """How one operand of a block-scaled product is quantised.
 
     Attributes:
       dtype: the FP8 format.
-      scale: unused by the block recipes (their scales are per block); kept None.
       weight: whether the operand is a weight (square blocks under `Float8BlockScaling`).
     """
 
     dtype: Any
-    scale: Any = None
     weight: bool = False
 
 
 def _canonical(x: jax.Array, contract: Sequence[int], batch: Sequence[int]) -> jax.Array:
     """`x` as ``(batch, free, contracted)``, each group of dimensions flattened into one."""
-    free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+    free = _remaining(x.ndim, contract, batch)
     x = jnp.transpose(x, (*batch, *free, *contract))
     b = math.prod(x.shape[: len(batch)])
     f = math.prod(x.shape[len(batch) : len(batch) + len(free)])
@@ -423,8 +421,8 @@ def _block_passes(
     dims: Any, recipe: Any, out_dtype: np.dtype, weights: tuple[bool, bool]
 ) -> tuple[Any, Any]:
     """The forward and backward passes of a block recipe's FP8 ``dot_general``."""
-    lhs_op = Operand(recipe.fwd_dtype, None, weights[0])
-    rhs_op = Operand(recipe.fwd_dtype, None, weights[1])
+    lhs_op = Operand(recipe.fwd_dtype, weights[0])
+    rhs_op = Operand(recipe.fwd_dtype, weights[1])
     g_op = Operand(recipe.bwd_dtype)
 
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
@@ -463,32 +461,31 @@ def fp8_conv(
     """
     out_dtype = jnp.dtype(out_dtype)
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+    lhs_dtype, rhs_dtype = lhs.dtype, rhs.dtype
 
-    def dequantized(x: jax.Array, exponent: jax.Array, fmt: Any, dtype: Any) -> jax.Array:
-        limit = finite_limit(exponent, fmt, dtype)
-        q = quantize(x, jnp.ldexp(jnp.float32(1.0), exponent), fmt, limit)
-        return q.astype(dtype) * jnp.ldexp(jnp.float32(1.0), -exponent).astype(dtype)
+    def quantized(x: jax.Array, exponent: jax.Array, fmt: Any) -> Quantized:
+        # In its own layout (no dimension contracted by a dot), dequantised in `out_dtype`
+        # (the gradient's dtype too: a cotangent has its primal's dtype).
+        return quantize_tensor(x, exponent, fmt, (), (), (out_dtype,))
 
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
         dtypes = (out_dtype, lhs.dtype, rhs.dtype)
         el, er = _exponents(site, (ROLE_LHS, ROLE_RHS), (fwd, fwd), (lhs, rhs), dtypes)
-        out = conv(
-            dequantized(lhs, el, fwd, out_dtype), dequantized(rhs, er, fwd, out_dtype), out_dtype
-        )
+        lq, rq = quantized(lhs, el, fwd), quantized(rhs, er, fwd)
+        out = conv(dequantize(lq, out_dtype), dequantize(rq, out_dtype), out_dtype)
         amaxes = None
         if site is not None:
             amaxes = (observed_amax(lhs, site[0]), observed_amax(rhs, site[0]))
-        return out, (lhs, rhs, el, er, amaxes, site)
+        return out, (lq, rq, amaxes, site)  # the operands saved in FP8
 
     def backward(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
-        lhs, rhs, el, er, amaxes, site = res
+        lq, rq, amaxes, site = res
         (eg,) = _exponents(site, (ROLE_GRAD,), (bwd,), (g,), (g.dtype,))
-        gd = dequantized(g, eg, bwd, g.dtype)
-        ld = dequantized(lhs, el, fwd, g.dtype)
-        rd = dequantized(rhs, er, fwd, g.dtype)
+        gd = dequantize(quantized(g, eg, bwd), g.dtype)
+        ld, rd = dequantize(lq, g.dtype), dequantize(rq, g.dtype)
         _, vjp = jax.vjp(lambda a, b: conv(a, b, g.dtype), ld, rd)
         d_lhs, d_rhs = vjp(gd)
         new_site = _updated_site(site, amaxes, g, recipe)
-        return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), new_site
+        return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), new_site
 
     return _with_fp8_vjp(forward, backward, lhs, rhs, site)
