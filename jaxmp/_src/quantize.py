@@ -321,14 +321,14 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 def quantize_array(x: jax.Array, contract: Sequence[int], recipe: Any) -> QuantizedArray:
-    """`x` quantised with `recipe`, `contract` its contraction axes (compiled once per shape)."""
-    return _quantize_array(x, tuple(int(c) % x.ndim for c in contract), recipe)
+    """`x` quantised with `recipe`, `contract` its contraction axes (compiled once per shape:
+    the axes normalised here, so that ``(0,)`` and ``(-2,)`` share one compilation)."""
+    return _quantize_array(x, tuple(sorted(int(c) % x.ndim for c in contract)), recipe)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _quantize_array(x: jax.Array, contract: tuple[int, ...], recipe: Any) -> QuantizedArray:
     ndim = x.ndim
-    contract = tuple(sorted(int(c) % ndim for c in contract))
     negative = tuple(c - ndim for c in contract)
     contract_shape = tuple(x.shape[c] for c in contract)
     dtype = jnp.dtype(x.dtype)

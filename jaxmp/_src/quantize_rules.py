@@ -22,6 +22,7 @@ operand:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,9 +112,7 @@ def _layout(eqn: Any, x: q_lib.QuantizedArray) -> Any:
         dtype = jnp.dtype(eqn.outvars[0].aval.dtype)
         if not q_lib._is_float_dtype(dtype):
             return None
-        return q_lib.QuantizedArray(
-            x.values, x.scales, x.recipe, dtype, x.contract, x.contract_shape
-        )
+        return dataclasses.replace(x, dtype=dtype)
     perm = tuple(eqn.params["permutation"])
     ndim = len(perm)
     old = {c + ndim for c in x.contract}
