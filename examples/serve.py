@@ -103,11 +103,9 @@ def evaluate(apply: Any, params: Any, batches: Sequence[tuple[np.ndarray, np.nda
     return float(np.mean([float(loss(params, x, y)) for x, y in batches]))
 
 
-def generation_speed(
-    apply: Any, params: Any, prompt: np.ndarray, tokens: int, runs: int
-) -> tuple[float, np.ndarray]:
+def generation_speed(apply: Any, params: Any, prompt: np.ndarray, tokens: int, runs: int) -> float:
     """Greedy decoding of `tokens` tokens after `prompt` (``(batch, length)``): tokens per
-    second (the median of `runs` runs of one jitted program, compiled first) and the tokens.
+    second, the median of `runs` runs of one jitted program (compiled first).
 
     The context window is the model's length; each token runs the whole window (no cache).
     """
@@ -125,13 +123,13 @@ def generation_speed(
     window = np.zeros((batch, length), np.int32)
     window[:, :start] = prompt
     run = jax.jit(decode)
-    out = jax.block_until_ready(run(params, window))  # compile
+    jax.block_until_ready(run(params, window))  # compile
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
         jax.block_until_ready(run(params, window))
         times.append(time.perf_counter() - t0)
-    return batch * tokens / statistics.median(times), np.asarray(out)[:, start:]
+    return batch * tokens / statistics.median(times)
 
 
 def serve(
@@ -172,7 +170,7 @@ def serve(
             recipe = jaxmp.Int4WeightOnly(group_size) if name == "int4" else name
             p = jaxmp.quantize(apply, params, example, recipe=recipe, exclude=exclude)
             run_apply = jaxmp.quantized(apply)
-        speed, _ = generation_speed(run_apply, p, prompt, tokens, runs)
+        speed = generation_speed(run_apply, p, prompt, tokens, runs)
         loss = evaluate(run_apply, p, batches)
         rows.append(Row(name, loss, param_bytes(p), _bytes_at(p, weight_paths), speed))
     return rows
