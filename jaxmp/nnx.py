@@ -409,10 +409,9 @@ def _name_modules(tree: Any) -> None:
             tuple(path): node for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)
         }
         for path, node in modules.items():
-            parent = max(
-                (p for p in modules if len(p) < len(path) and path[: len(p)] == p),
-                key=len,
-                default=(),
+            # The nearest enclosing module: the longest proper prefix of the path that is one.
+            parent = next(
+                (path[:i] for i in range(len(path) - 1, 0, -1) if path[:i] in modules), ()
             )
             name = "/".join(str(k) for k in path[len(parent) :]) if path else type(node).__name__
             if _defines_call(type(node)):
