@@ -6,11 +6,7 @@ half-precision params and compressed optimizer states; post-training quantisatio
 FP8, int4) for inference.
 """
 
-import contextlib as _contextlib
-import sys as _sys
-
-from jaxmp._src import attention as _attention
-from jaxmp._src import interpret as _interpret
+from jaxmp._src import flax_hooks as _flax_hooks  # noqa: F401 (registers the Flax stand-ins)
 from jaxmp._src.attention import dot_product_attention
 from jaxmp._src.autocast import (
     FLOAT32_OPS,
@@ -84,35 +80,6 @@ def __getattr__(name: str):
 
         return jaxmp.nnx
     raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")
-
-
-def _split_nnx_graph_nodes(tree):
-    # NNX modules among the arguments of `jaxmp.autocast`, `jaxmp.inspect` or an FP8 call are
-    # split by `jaxmp.nnx`, which imports Flax: it is loaded only once the program has imported
-    # `flax.nnx` (as one that builds NNX modules has), and then registers its own split in place
-    # of this one. The core (`interpret`) never imports upward.
-    if "flax.nnx" not in _sys.modules:
-        return None
-    import jaxmp.nnx
-
-    return jaxmp.nnx._split_graph_nodes(tree)
-
-
-_interpret.register_graph_splitter(_split_nnx_graph_nodes)
-
-
-def _mark_linen_attention():
-    # Flax Linen's attention is marked for `jaxmp.autocast` by `jaxmp.linen` (which imports
-    # Flax): loaded only once the program has imported `flax.linen`, and then registering its
-    # own marks in place of these.
-    if "flax.linen" not in _sys.modules:
-        return _contextlib.nullcontext()
-    import jaxmp.linen
-
-    return jaxmp.linen._mark_linen_attention()
-
-
-_attention.register_interceptor("flax.linen", _mark_linen_attention)
 
 
 __all__ = (
