@@ -364,21 +364,28 @@ def name_stack_parts(eqn: Any) -> list[tuple[str, str]]:
     return parts
 
 
-def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
+def user_frames(eqn: Any, traced: tuple[str, str] | None = None) -> list[tuple[str, int, str]]:
     """``(file, line, function)`` of the user's frames in `eqn`'s traceback, innermost first.
 
     Frames in JAX's own files and in the Python standard library are left out (JAX's test for
     user code, as in its error messages). The traceback is that of the line that bound the
     primitive; JAX gives the equations of a derivative the traceback of the line they
-    differentiate.
+    differentiate. With `traced`, ``(file, name)`` of the function the jaxpr was traced from,
+    the frames end at its frame: jax >= 0.9 ends a traceback there, jax 0.8 goes on with the
+    frames of whoever called the tracing.
     """
     traceback = eqn.source_info.traceback
     if traceback is None:
         return []
-    return [
+    frames = [
         (frame.file_name, int(frame.start_line), frame.function_name)
         for frame in resolve("user_frames")(traceback)
     ]
+    if traced is not None:
+        for i, (file, _, function) in enumerate(frames):
+            if file == traced[0] and function.rsplit(".", 1)[-1] == traced[1]:
+                return frames[: i + 1]
+    return frames
 
 
 def varying_axes(x: Any) -> frozenset[str]:

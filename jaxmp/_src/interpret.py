@@ -343,11 +343,11 @@ class Interpreter:
         for outer in self._outer:
             stack += compat.name_stack_parts(outer)
         stack += compat.name_stack_parts(eqn)
-        frames = _inside_trace(compat.user_frames(eqn))
+        frames = compat.user_frames(eqn, _TRACED)
         for outer in reversed(self._outer):  # an equation JAX made has the frames of its caller
             if frames:
                 break
-            frames = _inside_trace(compat.user_frames(outer))
+            frames = compat.user_frames(outer, _TRACED)
         return Location(tuple(stack), tuple(frames))
 
     # -- Evaluation.
@@ -802,16 +802,8 @@ class TracedCall:
     num_out: int
 
 
-def _inside_trace(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
-    """`frames` up to the function `trace_call` traced: the frames of whoever called the
-    tracing (jax < 0.9 keeps them in a traceback) are not where an op was written."""
-    for i, (file, _, function) in enumerate(frames):
-        if file == __file__ and function.endswith(_TRACED_FUNCTION):
-            return frames[: i + 1]
-    return frames
-
-
-_TRACED_FUNCTION = "flat_fun"  # the name of the function `trace_call` traces
+# The function `trace_call` traces: an op's frames end there (see `compat.user_frames`).
+_TRACED = (__file__, "flat_fun")
 
 
 def trace_call(
