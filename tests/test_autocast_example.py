@@ -32,6 +32,7 @@ example = load_example()
 # Trains the example (a digits classifier, several epochs): with the tests marked slow.
 pytestmark = pytest.mark.slow
 
+
 @pytest.fixture(scope="module")
 def results():
     return {
