@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jaxmp._src import autocast as autocast_lib
 from jaxmp._src import compat, fp8, fp8_dot, interpret
 from jaxmp._src import policy as policy_lib
+from jaxmp._src.patterns import compile_exclude
 
 #: Primitives run in FP8 (convolutions with a per-tensor recipe only).
 FP8_OPS = frozenset({"dot_general", "conv_general_dilated"})
@@ -46,27 +47,6 @@ _LAYOUT_OPS = frozenset(
 )
 # Primitives whose sub-jaxprs get no delayed-scaling state (see the module docs).
 _STATELESS_REGIONS = frozenset({"while", "custom_jvp_call"})
-
-
-def compile_exclude(exclude: Any, argument: str = "fp8_exclude") -> tuple[re.Pattern[str], ...]:
-    """`exclude` (None, a regex or a sequence of them) as compiled regexes; a ValueError or
-    TypeError naming `argument` (also `jaxmp.quantize`'s ``exclude``)."""
-    if exclude is None:
-        return ()
-    patterns = [exclude] if isinstance(exclude, str) else exclude
-    if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
-        raise TypeError(
-            f"`{argument}` must be a regex or a sequence of regexes (strings), got {exclude!r}."
-        )
-    compiled = []
-    for pattern in patterns:
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as e:
-            raise ValueError(
-                f"`{argument}` must hold valid regexes, got {pattern!r} ({e})."
-            ) from None
-    return tuple(compiled)
 
 
 class Float8Matmul(NamedTuple):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import compat
-from jaxmp._src.fp8_autocast import compile_exclude
+from jaxmp._src.patterns import compile_exclude
 
 __all__ = [
     "Float8Rowwise",
