@@ -266,7 +266,8 @@ def register_interceptor(
 # and removed when the last one closes. A call marked outside autocast is harmless: the
 # marked ``jit`` runs the call as it is.
 _LOCK = threading.Lock()
-_OPEN: list[contextlib.ExitStack] = []  # the installed marks, while any `intercept` is open
+_INSTALLED: list[contextlib.ExitStack] = []  # the installed marks, while any `intercept` is open
+_OPEN = [0]  # how many `intercept`s are open, in every thread
 _DEPTH = threading.local()  # this thread's open `intercept`s (`dot_product_attention` marks)
 
 
@@ -296,18 +297,18 @@ def _install() -> contextlib.ExitStack:
 def intercept() -> Iterator[None]:
     """Marks the attention a function calls while it is traced inside this context."""
     with _LOCK:
-        if not _OPEN:
-            _OPEN.append(_install())
-        _OPEN.append(_OPEN[0])  # one entry per open `intercept` after the installed marks
+        if not _OPEN[0]:
+            _INSTALLED.append(_install())
+        _OPEN[0] += 1
     _DEPTH.value = getattr(_DEPTH, "value", 0) + 1
     try:
         yield
     finally:
         _DEPTH.value -= 1
         with _LOCK:
-            _OPEN.pop()
-            if len(_OPEN) == 1:
-                _OPEN.pop().close()
+            _OPEN[0] -= 1
+            if not _OPEN[0]:
+                _INSTALLED.pop().close()
 
 
 # --------------------------------------------------------------------------------------------
