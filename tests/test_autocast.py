@@ -840,7 +840,7 @@ def _train(policy, steps=60):
     return np.array(losses), params, opt_state
 
 
-@pytest.mark.slow  # a longer training; the main job model's parity runs by default
+@pytest.mark.slow  # a training run (the rules are tested op by op above)
 def test_training_parity_mixed_float16():
     import jaxmp
 
@@ -854,6 +854,7 @@ def test_training_parity_mixed_float16():
     assert np.all(np.isfinite(losses))
 
 
+@pytest.mark.slow  # a training run (the rules are tested op by op above)
 def test_training_parity_on_the_main_job_model():
     """The main job's transformer (examples/lm, built float32; one block) trained on its own
     data: under autocast mixed_float16 the training and validation losses are within 2% of

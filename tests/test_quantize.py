@@ -15,6 +15,7 @@ from jax import lax
 
 import jaxmp
 from jaxmp._src import quantize as q_lib
+from tests.conftest import diagonal_cases
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -412,10 +413,13 @@ def _attack_weight(dtype):
 
 
 HALF_AND_SINGLE = [jnp.float16, jnp.bfloat16, jnp.float32]
+HALF_AND_SINGLE_IDS = ["float16", "bfloat16", "float32"]
 
 
-@pytest.mark.parametrize("dtype", HALF_AND_SINGLE)
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    diagonal_cases(list(RECIPES), HALF_AND_SINGLE, list(RECIPES), HALF_AND_SINGLE_IDS),
+)
 def test_nonfinite_activations_give_nonfinite_outputs(name, dtype):
     # As FP8 autocast: quantisation never turns a NaN or an overflow into a finite number
     # (a row's NaN must not vanish into a scale of 1), nor a finite value into NaN.
@@ -433,8 +437,10 @@ def test_nonfinite_activations_give_nonfinite_outputs(name, dtype):
     assert np.isnan(np.asarray(y, np.float32)[0]).all()  # NaN stays NaN, not inf
 
 
-@pytest.mark.parametrize("dtype", HALF_AND_SINGLE)
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    diagonal_cases(list(RECIPES), HALF_AND_SINGLE, list(RECIPES), HALF_AND_SINGLE_IDS),
+)
 def test_extreme_finite_activations_and_a_zero_row(name, dtype):
     p = _attack_weight(dtype)
     rows = np.ones((6, 64), np.float32) * np.array([[1.0], [1e20], [1e-30], [0.0], [3e4], [1e-45]])
