@@ -377,12 +377,19 @@ class _InspectRules(interpret.Rules):
             from_constant=(out_nan or out_inf) and in_bad and not made,
             held=out_nan or out_inf,
         )
+        self._numbered(entry, known)
+        self._pending.entries.append(entry)
+        return entry
+
+    def _numbered(
+        self, entry: _Entry, known: list[tuple[_Known, locations._Origin | None]]
+    ) -> None:
+        """Gives `entry` the next row number and records it as reading the non-finite
+        constants and arguments in `known`."""
         self._seq += 1
         for _, origin in known:
             if origin is not None:
                 self._pending.known_sources.setdefault(origin, []).append(entry)
-        self._pending.entries.append(entry)
-        return entry
 
     def _origin_of(self, v: _Value, eqn: Any, interp: Any) -> locations._Origin:
         """`v`'s origin; a literal or closed-over array is named by `eqn`, its first reader."""
@@ -415,10 +422,7 @@ class _InspectRules(interpret.Rules):
             deps=tuple(deps.values()),
             known=_Known(any(k.nan for k, _ in known), any(k.bad for k, _ in known)),
         )
-        self._seq += 1
-        for _, origin in known:
-            if origin is not None:
-                self._pending.known_sources.setdefault(origin, []).append(entry)
+        self._numbered(entry, known)
         return self._add(entry, interp)
 
     def _inputs(
