@@ -299,3 +299,45 @@ def fp8_transposes(text: str) -> int:
             if op == "transpose" and types and types[0][1] in _FP8_TYPES:
                 count += 1
     return count
+
+
+# --------------------------------------------------------------------------------------------
+# Integer and FP8 GEMMs (quantised inference).
+
+_LOW_PRECISION_TYPES = ("i8", "ui8", *_FP8_TYPES)
+_COMPILED_LOW_PRECISION = re.compile(r"\b(?:s8|u8|f8e4m3fn|f8e5m2)\[")
+
+
+def quantized_gemms(text: str) -> list[dict[str, Any]]:
+    """The ``dot_general``s of a lowered program whose two operands are both int8 or both FP8
+    (``int8 x int8 -> int32``, ``E4M3 x E4M3 -> float32``): ``operands`` and ``result`` types."""
+    found = []
+    for values in _functions(text):
+        for op, _, rest in values.values():
+            if op != "dot_general" or " : " not in rest:
+                continue
+            types = _tensor_types(rest.split(" : ", 1)[1])
+            if len(types) >= 3 and all(t[1] in _LOW_PRECISION_TYPES for t in types[:2]):
+                found.append({"operands": (types[0][1], types[1][1]), "result": types[-1][1]})
+    return found
+
+
+def compiled_low_precision_gemms(hlo_text: str) -> int:
+    """The GEMMs of a compiled program (HLO text) reading an int8, uint8 (packed int4) or FP8
+    operand: ``dot`` instructions, and GEMM calls (cuBLAS custom calls, Triton or cuDNN GEMM
+    fusions on a GPU). A weight-only int8 matmul counts where XLA fused the weight's
+    conversion into its GEMM; where the weight is converted first, its GEMM reads bfloat16."""
+    instructions = [m.groups() for m in map(_INSTR.match, hlo_text.splitlines()) if m]
+    # Operands are printed with their types (older XLA) or by name alone (newer): by name, the
+    # type is their definition's.
+    types = {name: type_text for name, type_text, *_ in instructions}
+    count = 0
+    for _, _, op, operands, rest in instructions:
+        gemm = op == "dot" or (
+            op in ("custom-call", "fusion")
+            and any(word in rest for word in ("gemm", "matmul", "cublas", "__cudnn$fusion"))
+        )
+        typed = operands + " ".join(types.get(n, "") for n in re.findall(r"%([\w.\-]+)", operands))
+        if gemm and _COMPILED_LOW_PRECISION.search(typed):
+            count += 1
+    return count

@@ -33,7 +33,10 @@ XLA compiled from them (0 on a CPU). The GEMM rows time one (32768x4096) @ (4096
 alone, forward, bfloat16 against each recipe (the target: 1.6x for FP8). The low-memory row trains
 bfloat16 params without a master copy, with stochastic rounding and bfloat16 Adam moments
 (docs/guides/low_memory.md); a line after the table gives its argument bytes (params,
-optimizer state, batch) and tokens/s against the mixed_bfloat16 row's.
+optimizer state, batch) and tokens/s against the mixed_bfloat16 row's. The generation table
+(`quantized_generation.py`) decodes and prefills with a d_model 4096 decoder at batch 1 and 64
+in bfloat16 and with each `jaxmp.quantize` recipe (int8, int8 weights + activations, FP8,
+int4): tokens/s, param bytes, and the int8/FP8 GEMMs of the lowered and compiled programs.
 
 Needs only jax, flax, optax, numpy and jaxmp (jmp is used when installed). It limits itself to
 ``--budget-s`` seconds (default 420), rows that do not fit are reported as skipped.
@@ -62,6 +65,7 @@ import compile_cost  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+import quantized_generation  # noqa: E402
 import update_cost  # noqa: E402
 
 import jaxmp  # noqa: E402
@@ -133,6 +137,7 @@ BF16_ROW = "mixed_bfloat16, jaxmp"
 # The bfloat16 row each FP8 and low-memory row is compared with: its model's.
 BF16_ROWS = {"gpu": BF16_ROW, "gpu_4096": "h4096: mixed_bfloat16, jaxmp"}
 FP8_CALL = 'custom_call_target="__cublas$lt$matmul$f8"'
+GENERATION = "quantized generation"  # the generation table, for --only
 
 
 def fp8_calls(lowered: Any, compiled: Any) -> tuple[int, int]:
@@ -364,10 +369,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-update-table", action="store_true")
     parser.add_argument(
+        "--no-generation-table",
+        action="store_true",
+        help="leave out quantized generation (quantized_generation.py)",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         metavar="TEXT",
-        help="run only the train-step and compile rows whose label contains TEXT (repeatable; "
+        help="run only the train-step and compile rows whose label contains TEXT, and the "
+        f"generation table if {GENERATION!r} does (repeatable; "
         "ratios are to the first row run of each group; the FP8 and low-memory lines need the "
         f"{BF16_ROW!r} row)",
     )
@@ -391,14 +402,17 @@ def main(argv: list[str] | None = None) -> None:
     rows_to_run = [r for r in rows_to_run if not args.tiny or r[1] != "manual"]
     compile_rows = COMPILE_ROWS
     gemm_rows = GEMM_ROWS
+    generation_table = not args.no_generation_table
     if args.only:
         rows_to_run = [r for r in rows_to_run if any(text in r[0] for text in args.only)]
         compile_rows = [r for r in compile_rows if any(text in r[0] for text in args.only)]
         gemm_rows = [r for r in gemm_rows if any(text in r[0] for text in args.only)]
-        if not rows_to_run and not compile_rows and not gemm_rows:
+        generation_table &= any(text in GENERATION for text in args.only)
+        if not rows_to_run and not compile_rows and not gemm_rows and not generation_table:
             parser.error(
                 f"--only {args.only}: no row's label contains it; the rows: "
                 + "; ".join(r[0] for r in [*GEMM_ROWS, *ROWS, *COMPILE_ROWS])
+                + f"; and the table {GENERATION!r}"
             )
     results: dict[str, Any] = {}
     # The GEMM rows first: seconds each, and the measure FP8's speed rests on.
@@ -407,7 +421,8 @@ def main(argv: list[str] | None = None) -> None:
         results[label] = attempt(
             start, label, "compiling and timing", gemm_row, recipe_name, gemm_shape, steps
         )
-    extra = len(compile_rows) + (0 if args.no_update_table else 1)
+    tables = (0 if args.no_update_table else 1) + (1 if generation_table else 0)
+    extra = len(compile_rows) + tables
     for i, (label, approach, precision, config_name) in enumerate(rows_to_run):
         # Leave each remaining row an equal share of the budget (compile included).
         left = len(rows_to_run) - i + extra
@@ -422,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
             approach, precision, config, batch, steps, row_deadline,
         )  # fmt: skip
     for i, (label, name) in enumerate(compile_rows):
-        left = len(compile_rows) - i + (0 if args.no_update_table else 1)
+        left = len(compile_rows) - i + tables
         if (deadline - time.perf_counter()) / left < (1 if args.tiny else 30):
             results[label] = None
             continue
@@ -538,6 +553,18 @@ def main(argv: list[str] | None = None) -> None:
         gemm_header = ["GEMM", "ms", "TFLOP/s", "vs ref", "FP8 GEMMs (lowered / cuBLASLt)"]
         print(_hlo.table([*gemm_header, "compile s"], gemm_table))
 
+    if generation_table:
+        # An equal share of what is left with the update table; rows past it are skipped.
+        share = (deadline - time.perf_counter()) / tables
+        config = quantized_generation.CONFIGS["tiny" if args.tiny else "default"]
+        generation = quantized_generation.measure(
+            config,
+            repeats=steps,
+            deadline=time.perf_counter() + share,
+            progress=functools.partial(progress, start),
+        )
+        print()
+        print(quantized_generation.report(config, generation))
     if not args.no_update_table:
         remaining = deadline - time.perf_counter()
         if remaining < (1 if args.tiny else 30):

@@ -65,6 +65,13 @@ def test_gpu_benchmark_tiny_runs_on_cpu():
         re.M,
     )
     assert low and float(low[1]) < 0.7, out  # 6 bytes per parameter against 2 + 12
+    # The generation table: every recipe at both batches measured, each with its ratio lines.
+    for recipe in ("bf16", "int8", "int8_dynamic", "fp8", "int4"):
+        for batch in (1, 64):
+            row = re.search(rf"^\| {recipe} +\| {batch} +\| ([\d,]+) +\|", out, re.M)
+            assert row, (recipe, batch, out[-3000:])
+    assert re.search(r"^int8, batch 1: \d+\.\d\dx bfloat16's decode tokens/s", out, re.M)
+    assert re.search(r"^fp8, batch 64: \d+\.\d\dx bfloat16's prefill tokens/s", out, re.M)
     ratio = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.split("|")]
@@ -293,3 +300,80 @@ def test_attention_lowering_counts_cudnn_calls_where_the_cuda_plugin_is():
         "jaxmp, mixed_float16": "2",
         "autocast, mixed_bfloat16": "2",
     }
+
+
+def test_quantized_generation_rows_measure_each_recipe(benchmarks_on_path):
+    import quantized_generation as qg
+
+    config = qg.CONFIGS["tiny"]
+    results = qg.measure(config, batches=(1,), repeats=1)
+    assert list(results) == [(name, 1) for name in ("bf16", *qg.RECIPES)]
+    base = results["bf16", 1]
+    for (name, _), row in results.items():
+        assert row is not None and "error" not in row, (name, row)
+        assert row["tokens"].shape == (1, config.new_tokens)
+        assert 0 <= int(row["tokens"].min()) and int(row["tokens"].max()) < config.vocab
+        assert row["decode_tps"] > 0 and row["prefill_tps"] > 0
+        # int8 x int8 and E4M3 x E4M3 dots: the six matmuls of the scanned layer and the head.
+        expected = 7 if name in ("int8_dynamic", "fp8") else 0
+        assert row["gemms_lowered"] == expected, name
+    # Params: the embedding stays bfloat16, every matmul weight shrinks.
+    for name, most in (("int8", 0.6), ("int8_dynamic", 0.6), ("fp8", 0.6), ("int4", 0.4)):
+        assert results[name, 1]["param_bytes"] < most * base["param_bytes"], name
+    text = qg.report(config, results)
+    assert re.search(r"^int8, batch 1: \d+\.\d\dx bfloat16's decode tokens/s", text, re.M)
+    # The rows skipped past the deadline are reported as such.
+    skipped = qg.measure(config, recipes=("int8",), batches=(1,), deadline=0.0)
+    assert skipped == {("bf16", 1): None, ("int8", 1): None}
+    assert "skipped (time budget)" in qg.report(config, skipped)
+
+
+def test_quantized_generation_model_runs_quantized_close_to_bfloat16(benchmarks_on_path):
+    import quantized_generation as qg
+
+    import jaxmp
+
+    config = qg.CONFIGS["tiny"]
+    params = qg.init_params(config)
+    step = qg.make_step(config)
+    cache = qg.empty_cache(config, 2)
+    prompt = jax.random.randint(jax.random.key(3), (2, config.prompt), 0, config.vocab)
+    pos = jnp.zeros((), jnp.int32)
+    ref, ref_cache = step(params, cache, prompt, pos)
+    for recipe, tolerance in (("int8", 0.03), ("int8_dynamic", 0.05), ("fp8", 0.1), ("int4", 0.2)):
+        q = jaxmp.quantize(step, params, cache, prompt[:, :1], pos, recipe=recipe)
+        assert q["embed"] is params["embed"]  # a lookup, not a matmul
+        assert isinstance(q["head"], jaxmp.QuantizedArray)
+        assert isinstance(q["layers"]["w1"], jaxmp.QuantizedArray)
+        out, out_cache = jax.jit(jaxmp.quantized(step))(q, cache, prompt, pos)
+        err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        assert err < tolerance, (recipe, err)
+        assert out_cache["k"].dtype == jnp.bfloat16
+
+
+def test_compiled_low_precision_gemms_reads_typed_and_named_operands(benchmarks_on_path):
+    import _hlo
+
+    typed = "  %dot.1 = s32[8,8]{1,0} dot(s8[8,16]{1,0} %p0, s8[16,8]{1,0} %p1), lhs_c={1}"
+    named = "\n".join(
+        [
+            "  %w = s8[16,8]{1,0} parameter(1)",
+            "  %x = bf16[8,16]{1,0} parameter(0)",
+            "  %gemm = bf16[8,8]{1,0} fusion(%x, %w), kind=kCustom, calls=%c, "
+            'backend_config={"kind":"__triton_gemm"}',
+            "  %cc = (f32[8,8]{1,0}, s8[0]{0}) custom-call(%x, %x), "
+            'custom_call_target="__cublas$gemm"',
+            "  %cvt = bf16[16,8]{1,0} convert(%w)",
+        ]
+    )
+    assert _hlo.compiled_low_precision_gemms(typed) == 1
+    # The Triton GEMM reads the int8 weight; the cuBLAS call reads bfloat16 (its tuple result
+    # holds an s8 workspace, not an operand); a convert is no GEMM.
+    assert _hlo.compiled_low_precision_gemms(named) == 1
+    f = lambda a, b: jax.lax.dot_general(  # noqa: E731
+        a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+    )
+    a = jnp.ones((8, 16), jnp.int8)
+    lowered = jax.jit(f).lower(a, a.T)
+    assert _hlo.quantized_gemms(lowered.as_text()) == [{"operands": ("i8", "i8"), "result": "i32"}]
+    assert _hlo.compiled_low_precision_gemms(lowered.compile().as_text()) == 1
