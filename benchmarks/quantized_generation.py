@@ -27,6 +27,7 @@ Run from the repository root (a part of `gpu_benchmark.py` too)::
 
     PYTHONPATH=. python benchmarks/quantized_generation.py
     PYTHONPATH=. python benchmarks/quantized_generation.py --tiny   # a CPU smoke test
+    PYTHONPATH=. python benchmarks/quantized_generation.py --tiny --lower cuda   # no GPU needed
 """
 
 from __future__ import annotations
@@ -301,6 +302,24 @@ def report(config: Config, results: dict[tuple[str, int], dict[str, Any] | None]
     return "\n".join(lines)
 
 
+def lowered_gemms(config: Config, platform: str) -> dict[str, list[dict[str, Any]]]:
+    """Per recipe (and ``"bf16"``), the int8/FP8 GEMMs of the decode program lowered for
+    `platform` (``"cuda"`` needs jax's CUDA plugin installed, not a GPU)."""
+    params = init_params(config)
+    step = make_step(config)
+    cache = empty_cache(config, 1)
+    first, pos = jnp.zeros((1,), jnp.int32), jnp.asarray(config.prompt, jnp.int32)
+    found = {}
+    for name in ("bf16", *RECIPES):
+        p = params
+        if name != "bf16":
+            p = jaxmp.quantize(step, params, cache, first[:, None], pos, recipe=name)
+        decode = make_programs(config, quantized=name != "bf16")[1]
+        lowered = jax.jit(decode).trace(p, cache, first, pos).lower(lowering_platforms=(platform,))
+        found[name] = _hlo.quantized_gemms(lowered.as_text())
+    return found
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model, for a CPU smoke test")
@@ -308,8 +327,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--budget-s", type=float, default=600.0, help="rows not started by then are skipped"
     )
+    parser.add_argument(
+        "--lower",
+        metavar="PLATFORM",
+        help="only lower the decode programs for PLATFORM (cuda: with jax's CUDA plugin, no "
+        "GPU needed) and print their int8/FP8 GEMMs",
+    )
     args = parser.parse_args(argv)
     config = CONFIGS["tiny" if args.tiny else "default"]
+    if args.lower:
+        for name, gemms in lowered_gemms(config, args.lower).items():
+            kinds = sorted(
+                {f"{a} x {b} -> {r}" for (a, b), r in ((g["operands"], g["result"]) for g in gemms)}
+            )
+            print(f"{name}: {len(gemms)} int8/FP8 GEMMs per decode step {kinds}")
+        return
     start = time.perf_counter()
 
     def progress(message: str) -> None:

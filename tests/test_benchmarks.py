@@ -328,6 +328,16 @@ def test_quantized_generation_rows_measure_each_recipe(benchmarks_on_path):
     assert "skipped (time budget)" in qg.report(config, skipped)
 
 
+def test_quantized_generation_lowers_without_running(benchmarks_on_path, capsys):
+    import quantized_generation as qg
+
+    qg.main(["--tiny", "--lower", "cpu"])
+    out = capsys.readouterr().out
+    assert "int8_dynamic: 7 int8/FP8 GEMMs per decode step ['i8 x i8 -> i32']" in out
+    assert "fp8: 7 int8/FP8 GEMMs per decode step ['f8E4M3FN x f8E4M3FN -> f32']" in out
+    assert "bf16: 0 " in out and "int4: 0 " in out
+
+
 def test_quantized_generation_model_runs_quantized_close_to_bfloat16(benchmarks_on_path):
     import quantized_generation as qg
 
