@@ -305,9 +305,9 @@ def test_attention_lowering_counts_cudnn_calls_where_the_cuda_plugin_is():
 def test_quantized_generation_rows_measure_each_recipe(benchmarks_on_path):
     import quantized_generation as qg
 
-    config = qg.CONFIGS["tiny"]
-    # Two recipes here (each recipe's GEMMs: the --lower test; all rows: the slow --tiny run).
-    recipes = ("int8_dynamic", "int4")
+    config = qg.Config(d_model=32, layers=1, heads=2, vocab=64, prompt=4, new_tokens=3)
+    # One recipe here (each recipe's GEMMs: the --lower test; every row: the slow --tiny run).
+    recipes = ("int8_dynamic",)
     results = qg.measure(config, recipes=recipes, batches=(1,), repeats=1)
     assert list(results) == [(name, 1) for name in ("bf16", *recipes)]
     base = results["bf16", 1]
@@ -316,14 +316,13 @@ def test_quantized_generation_rows_measure_each_recipe(benchmarks_on_path):
         assert row["tokens"].shape == (1, config.new_tokens)
         assert 0 <= int(row["tokens"].min()) and int(row["tokens"].max()) < config.vocab
         assert row["decode_tps"] > 0 and row["prefill_tps"] > 0
-        # int8 x int8 and E4M3 x E4M3 dots: the six matmuls of the scanned layer and the head.
-        expected = 7 if name in ("int8_dynamic", "fp8") else 0
+        # int8 x int8 dots: the six matmuls of the scanned layer and the head.
+        expected = 7 if name == "int8_dynamic" else 0
         assert row["gemms_lowered"] == expected, name
     # Params: the embedding stays bfloat16, every matmul weight shrinks.
-    for name, most in (("int8_dynamic", 0.6), ("int4", 0.4)):
-        assert results[name, 1]["param_bytes"] < most * base["param_bytes"], name
+    assert results["int8_dynamic", 1]["param_bytes"] < 0.7 * base["param_bytes"]
     text = qg.report(config, results)
-    assert re.search(r"^\| int4 +\| 1 +\| [\d,]+ +\| \d+\.\d\d +\|", text, re.M)
+    assert re.search(r"^\| int8_dynamic +\| 1 +\| [\d,]+ +\| \d+\.\d\d +\|", text, re.M)
     # The rows skipped past the deadline are reported as such.
     skipped = qg.measure(config, recipes=("int8",), batches=(1,), deadline=0.0)
     assert skipped == {("bf16", 1): None, ("int8", 1): None}
