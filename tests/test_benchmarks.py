@@ -302,6 +302,7 @@ def test_attention_lowering_counts_cudnn_calls_where_the_cuda_plugin_is():
     }
 
 
+@pytest.mark.slow  # compiles two rows; every row: the slow --tiny run
 def test_quantized_generation_rows_measure_each_recipe(benchmarks_on_path):
     import quantized_generation as qg
 
@@ -339,6 +340,7 @@ def test_quantized_generation_lowers_without_running(benchmarks_on_path, capsys)
     assert "bf16: 0 " in out and "int4: 0 " in out
 
 
+@pytest.mark.slow  # the recipes' accuracy: tests/test_quantize.py
 def test_quantized_generation_model_runs_quantized_close_to_bfloat16(benchmarks_on_path):
     import quantized_generation as qg
 

@@ -392,7 +392,9 @@ class _NnxModel(nnx.Module):
         return self.head(self.norm(jax.nn.gelu(self.fc(h))))
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[] if n == "int8" else [pytest.mark.slow]) for n in RECIPES]
+)
 def test_nnx_module_state(name):
     # As the guide says: split the module, quantise its state through nnx.merge.
     graphdef, state = nnx.split(_NnxModel(nnx.Rngs(0)))
