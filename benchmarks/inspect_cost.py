@@ -104,7 +104,7 @@ def row_cost(rounds: int = 15) -> None:
     formats = inspector_stats.DEFAULT_FORMATS
 
     def record(v, r):
-        return inspector_stats._measure(v.astype(jnp.float32), r, formats)
+        return inspector_stats._measure(v.astype(jnp.float32), r, formats, one_pass=True)
 
     fns = {
         "one elementwise add (for scale)": jax.jit(lambda v, r: v.astype(jnp.float32) + r),

@@ -97,6 +97,57 @@ def numpy_stats(x, formats=FORMATS):
     return out
 
 
+def test_one_pass_reduction_agrees_with_separate_reductions():
+    # Rows measured on one device are reduced in one variadic reduction (`one_pass`), sharded
+    # ones by separate reductions: the same extremes and counts, the same norms to rounding,
+    # on every kind of row a program makes.
+    from jaxmp._src.inspector import stats as stats_lib
+
+    rng = np.random.default_rng(0)
+    n = 256
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    base = np.clip(rng.normal(size=(12, n)), -4, 4).astype(np.float32)
+    refs = base.copy()
+    values = (base * (1 + 1e-3 * rng.normal(size=base.shape))).astype(np.float32)
+    values[1, 3], values[2, 5], values[3, 7] = np.nan, np.inf, -np.inf
+    refs[4, 9], refs[5, 11] = np.inf, np.nan  # non-finite references
+    values[6] = refs[6] = 0.0  # an all-zero row
+    values[7], refs[7] = values[7] * 1e20, refs[7] * 1e20  # squares beyond float32
+    values[8], refs[8] = values[8] * 8e37, refs[8] * 8e37  # near float32's maximum
+    values[9], refs[9] = values[9] * 1e-30, refs[9] * 1e-30
+    values[10, :8] = tiny * np.arange(1, 9) / 16  # subnormal values, normal references
+    values[11], refs[11] = values[11] * tiny * 4, refs[11] * tiny * 4  # near the smallest
+    refs[11, :4] = tiny / np.arange(2, 6)  # subnormal references
+    for ref in (jnp.asarray(refs), None):
+        one, separate = (
+            jax.jit(lambda v, r, p=p: stats_lib._measure(v, r, FORMATS, one_pass=p))(
+                jnp.asarray(values), ref
+            )
+            for p in (True, False)
+        )
+        np.testing.assert_array_equal(np.asarray(one.hist), np.asarray(separate.hist))
+        for a, b in zip(one.maxima, separate.maxima, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert len(one.norms) == len(separate.norms) == (4 if ref is not None else 0)
+        if ref is None:
+            continue
+        # numpy, in float64: the error and the reference over the finite reference values.
+        r_finite = np.isfinite(refs)
+        diff = np.where(r_finite, values.astype(np.float64) - np.where(r_finite, refs, 0), 0)
+        diff = np.where(r_finite & ~np.isfinite(values), np.inf, np.abs(diff))
+        size = np.where(r_finite, refs, 0).astype(np.float64)
+        want = [np.linalg.norm(diff, axis=-1), np.linalg.norm(size, axis=-1)]
+        for group in (one, separate):
+            for k in (0, 1):  # the error's and the reference's norms, s * sqrt(q)
+                s_, q = (np.asarray(group.norms[2 * k + i], np.float64) for i in (0, 1))
+                got = s_ * np.sqrt(q)
+                # Row 11's errors are subnormal numbers, which XLA on CPU flushes to zero:
+                # within 10% there; the others to float32 rounding.
+                np.testing.assert_allclose(got[:11], want[k][:11], rtol=1e-5)
+                np.testing.assert_allclose(got[11], want[k][11], rtol=0.1)
+        assert np.isinf(np.asarray(one.norms[0])[[2, 3]]).all()  # inf where the ref is finite
+
+
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
 def test_statistics_match_numpy_exactly(dtype):
     x = known_values(dtype)

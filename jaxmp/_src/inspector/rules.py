@@ -543,9 +543,13 @@ class _InspectRules(interpret.Rules):
         positions: dict[int, tuple[int, int]] = {}  # row -> (group, position in it)
         order: list[_Entry] = []  # the entries measured on device, in the order of `nan`
         nans, infs = [], []
-        for (_, ref_dtype, _, _), members in device_groups.items():
+        for (_, ref_dtype, _, place), members in device_groups.items():
             refs = None if ref_dtype is None else stacked([e.ref for e in members])
-            group = stats_lib._measure(stacked([e.value for e in members]), refs, self.formats)
+            # One pass (a variadic reduction) where the rows live on one device: XLA's
+            # partitioner would gather sharded rows for it.
+            one_pass = all(p is None for p in place)
+            values = stacked([e.value for e in members])
+            group = stats_lib._measure(values, refs, self.formats, one_pass=one_pass)
             hist = group.hist.reshape(len(members), stats_lib._KINDS, -1)
             nans.append(hist[:, stats_lib._NAN].sum(axis=-1))
             infs.append(hist[:, stats_lib._INF].sum(axis=-1))

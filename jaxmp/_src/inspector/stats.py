@@ -259,25 +259,14 @@ def _bins(formats: tuple[str, ...], layout: _Layout) -> _Bins:
     )
 
 
-def _extremes(x: Any, layout: _Layout, subnormal: Any, largest_only: bool = False) -> Any:
-    """The bits of the largest and the smallest nonzero finite magnitude along the last axis.
-
-    Reduced as floats (XLA vectorizes a float max; an integer one is several times slower on
-    CPU), which is exact for normal values. XLA on CPU compares subnormal floats as zero: when
-    a row holds subnormal values (`subnormal`, their count per row, from the histogram), they
-    are reduced again as integers, only then. None: 0 for the largest, inf for the smallest.
-    `x` is the rows' array itself (a ``lax.cond`` operand computed from it would be stored).
-    """
-    fdt, udt = layout.float_dtype, layout.uint_dtype
-    mag, _ = _magnitude(x)
+def _subnormal_extremes(x: Any, layout: _Layout, subnormal: Any) -> tuple[Any, Any]:
+    """The bits of the largest and the smallest subnormal magnitude along the last axis (0 and
+    inf: none), reduced as integers only where a row holds some (`subnormal`, their count per
+    row, from the histogram): XLA on CPU compares subnormal floats as zero. `x` is the rows'
+    array itself (a ``lax.cond`` operand computed from it would be stored)."""
+    udt = layout.uint_dtype
     inf = np.asarray(layout.inf_bits, udt)
     smallest_normal = np.asarray(1 << layout.mantissa_bits, udt)
-    normal = (mag >= smallest_normal) & (mag < inf)
-    as_float = lax.bitcast_convert_type(mag, fdt)
-    zero, infinity = np.asarray(0, fdt), np.asarray(np.inf, fdt)
-    hi_max = jnp.max(jnp.where(normal, as_float, zero), axis=-1, initial=zero)
-    if not largest_only:
-        hi_min = jnp.min(jnp.where(normal, as_float, infinity), axis=-1, initial=infinity)
 
     def exact(x: Any) -> tuple[Any, Any]:
         mag, _ = _magnitude(x)
@@ -290,12 +279,40 @@ def _extremes(x: Any, layout: _Layout, subnormal: Any, largest_only: bool = Fals
         rows = x.shape[:-1]
         return jnp.zeros(rows, udt), jnp.full(rows, inf, udt)
 
-    lo_max, lo_min = lax.cond(jnp.any(subnormal > 0), exact, none, x)
+    return lax.cond(jnp.any(subnormal > 0), exact, none, x)
+
+
+def _join_extremes(hi_max: Any, hi_min: Any, lo: tuple[Any, Any], layout: _Layout) -> Any:
+    """The bits of the largest and smallest nonzero finite magnitudes from the normal ones'
+    float reductions (0 and inf: none) and the subnormal ones' bits (`_subnormal_extremes`)."""
+    udt = layout.uint_dtype
+    lo_max, lo_min = lo
     largest = jnp.where(hi_max > 0, lax.bitcast_convert_type(hi_max, udt), lo_max)
-    if largest_only:
-        return largest
+    inf = np.asarray(layout.inf_bits, udt)
     smallest = jnp.where(lo_min < inf, lo_min, lax.bitcast_convert_type(hi_min, udt))
     return largest, smallest
+
+
+def _extremes(x: Any, layout: _Layout, subnormal: Any, largest_only: bool = False) -> Any:
+    """The bits of the largest and the smallest nonzero finite magnitude along the last axis.
+
+    Reduced as floats (XLA vectorizes a float max; an integer one is several times slower on
+    CPU), which is exact for normal values; subnormal values by `_subnormal_extremes`. None:
+    0 for the largest, inf for the smallest.
+    """
+    fdt, udt = layout.float_dtype, layout.uint_dtype
+    mag, _ = _magnitude(x)
+    inf = np.asarray(layout.inf_bits, udt)
+    smallest_normal = np.asarray(1 << layout.mantissa_bits, udt)
+    normal = (mag >= smallest_normal) & (mag < inf)
+    as_float = lax.bitcast_convert_type(mag, fdt)
+    zero, infinity = np.asarray(0, fdt), np.asarray(np.inf, fdt)
+    hi_max = jnp.max(jnp.where(normal, as_float, zero), axis=-1, initial=zero)
+    hi_min = jnp.min(jnp.where(normal, as_float, infinity), axis=-1, initial=infinity)
+    largest, smallest = _join_extremes(
+        hi_max, hi_min, _subnormal_extremes(x, layout, subnormal), layout
+    )
+    return largest if largest_only else (largest, smallest)
 
 
 def _scaled_norm_step(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
@@ -325,13 +342,14 @@ class _Group(NamedTuple):
     norms: tuple[Any, ...]  # (s, q) of the error and of the reference, or () without one
 
 
-def _measure(values: Any, refs: Any, formats: tuple[str, ...]) -> _Group:
+def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = False) -> _Group:
     """The statistics of each row of `values` (``[rows, n]``; `refs` None: its own reference).
 
     One scatter counts the class of each value (zero, subnormal, normal, inf, NaN) by the bin
     of its reference (`_Bins`): every count and the histogram. Then simple reductions, which
     XLA vectorizes: the extremes (`_extremes`) and the sums of squares of the error and of
-    the reference, relative to the largest reference value.
+    the reference, relative to the largest reference value; with `one_pass` (rows on one
+    device) and float32 rows, all of them in one variadic reduction (`_reduce_float32`).
     """
     mag, layout = _magnitude(values)
     inf = np.asarray(layout.inf_bits, layout.uint_dtype)
@@ -357,6 +375,8 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...]) -> _Group:
     index = kind * bins.size + bin_ + (jnp.arange(rows, dtype=i32) * width)[:, None]
     hist = jnp.zeros(rows * width, i32).at[index.ravel()].add(1, mode="promise_in_bounds")
     hist = hist.reshape(rows, _KINDS, bins.size)
+    if one_pass and layout == _F32 and r_layout == _F32:
+        return _reduce_float32(values, refs, hist, bins)
     largest, smallest = _extremes(values, layout, hist[:, _SUBNORMAL].sum(axis=-1))
     norms: tuple[Any, ...] = ()
     if refs is None:
@@ -373,13 +393,97 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...]) -> _Group:
         size = jnp.abs(jnp.where(r_finite, refs, 0))
         # Both relative to the largest reference value: no overflow, no underflow that
         # matters (an error 1e19 times the largest value would overflow: it is inf anyway).
-        scale = lax.bitcast_convert_type(ref_max, refs.dtype)
-        scale = jnp.where(scale > 0, scale, 1)
+        # float32: the power of two `_norm_scale` (exact, and its inverse a normal number:
+        # XLA multiplies by the inverse, which for a scale above 2^126 would flush to zero);
+        # float64 (whose exponents the histogram clips): the largest reference value.
+        if r_layout == _F32:
+            scale, inverse = _norm_scale(hist, bins)
+        else:
+            scale = lax.bitcast_convert_type(ref_max, refs.dtype)
+            scale = jnp.where(scale > 0, scale, 1)
+            inverse = 1 / scale
         for x in (diff, size):
-            q = jnp.sum(jnp.square(x / scale[:, None]), axis=-1)
+            q = jnp.sum(jnp.square(x * inverse[:, None]), axis=-1)
             infinite = jnp.isinf(q)  # norm s * sqrt(q): an inf error is (inf, 1)
             norms += (jnp.where(infinite, jnp.inf, scale), jnp.where(infinite, 1, q))
     return _Group(maxima=(largest, smallest, ref_max), hist=hist.reshape(rows, width), norms=norms)
+
+
+def _bin_exponents(bins: _Bins) -> np.ndarray:
+    """The binary exponent of each bin of `bins` (those of the nonzero finite magnitudes;
+    the others' are not read)."""
+    exponents = np.searchsorted(bins.exponent_edges[:-1], np.arange(bins.size), "right") - 1
+    return (exponents + EXPONENT_MIN).astype(np.int32)
+
+
+def _norm_scale(hist: Any, bins: _Bins) -> tuple[Any, Any]:
+    """``(2^e, 2^-e)`` per row, e the binary exponent of the largest nonzero finite float32
+    reference (the highest nonzero bin of `hist`), clipped to [-126, 126]: both normal
+    numbers, references below ``2^(e+1)`` (``4 * 2^e`` where clipped at 126), and scaling by
+    them exact."""
+    counts = hist.sum(axis=1)
+    positions = jnp.arange(bins.size, dtype=jnp.int32)
+    finite_nonzero = (positions >= bins.one) & (positions < bins.inf)
+    top = jnp.max(jnp.where((counts > 0) & finite_nonzero, positions, bins.one), axis=-1)
+    exponent = jnp.clip(jnp.asarray(_bin_exponents(bins))[top], 1 - _F32.bias, _F32.bias - 1)
+    one = np.float32(1)
+    return jnp.ldexp(one, exponent), jnp.ldexp(one, -exponent)
+
+
+def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
+    """`_measure`'s extremes and norms of float32 rows in one variadic reduction (one pass over
+    the values and the references, where separate reductions take one each); the norms
+    relative to `_norm_scale`'s power of two.
+    """
+    layout = _F32
+    f32 = np.dtype(np.float32)
+    tiny, infinity, zero = f32.type(np.finfo(f32).tiny), f32.type(np.inf), f32.type(0)
+    magnitude = jnp.abs(values)
+    normal = (magnitude >= tiny) & (magnitude < infinity)  # False for NaN
+    operands = [jnp.where(normal, magnitude, zero), jnp.where(normal, magnitude, infinity)]
+    inits = [zero, infinity]
+    kinds = [lax.max, lax.min]
+    subnormal = hist[:, _SUBNORMAL].sum(axis=-1)
+    scale: Any = None
+    if refs is not None:
+        r_magnitude = jnp.abs(refs)
+        r_finite = r_magnitude < infinity
+        r_normal = (r_magnitude >= tiny) & r_finite
+        scale, inverse = _norm_scale(hist, bins)
+        inverse = inverse[:, None]
+        diff = jnp.abs(jnp.where(r_finite, values - jnp.where(r_finite, refs, zero), zero))
+        # A non-finite value where the reference is finite: an infinite error.
+        diff = jnp.where(r_finite & ~(magnitude < infinity), infinity, diff)
+        size = jnp.where(r_finite, r_magnitude, zero)
+        operands += [
+            jnp.where(r_normal, r_magnitude, zero),
+            jnp.square(diff * inverse),
+            jnp.square(size * inverse),
+        ]
+        inits += [zero, zero, zero]
+        kinds += [lax.max, lax.add, lax.add]
+
+    def reducer(a: Any, b: Any) -> Any:
+        return tuple(kind(x, y) for kind, x, y in zip(kinds, a, b, strict=True))
+
+    reduced = lax.reduce(tuple(operands), tuple(inits), reducer, (1,))
+    largest, smallest = _join_extremes(
+        reduced[0], reduced[1], _subnormal_extremes(values, layout, subnormal), layout
+    )
+    norms: tuple[Any, ...] = ()
+    if refs is None:
+        ref_max = largest
+    else:
+        bins_r = bins.exponent_edges
+        r_subnormal = hist[:, :, bins_r[0] : bins_r[_first_normal_bin(layout)]].sum(axis=(1, 2))
+        lo = _subnormal_extremes(refs, layout, r_subnormal)
+        ref_max, _ = _join_extremes(reduced[2], infinity, lo, layout)
+        for q in reduced[3:]:
+            infinite = jnp.isinf(q)  # norm s * sqrt(q): an inf error is (inf, 1)
+            norms += (jnp.where(infinite, infinity, scale), jnp.where(infinite, 1, q))
+    return _Group(
+        maxima=(largest, smallest, ref_max), hist=hist.reshape(len(values), -1), norms=norms
+    )
 
 
 def _first_normal_bin(layout: _Layout) -> int:
