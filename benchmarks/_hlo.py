@@ -159,6 +159,13 @@ def fusion_breakdown(
     return rows
 
 
+def error_line(e: BaseException, width: int = 80) -> str:
+    """`e` on one line for a table cell: its type and the first line of its message (an
+    exception without a message, ``MemoryError()``, is its type alone)."""
+    first = (str(e).splitlines() or [""])[0][:width]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 def median_time(fn: Any, repeats: int) -> float:
     times = []
     for _ in range(repeats):

@@ -31,6 +31,7 @@ import jaxmp
 import jaxmp.linen  # noqa: F401 (marks Flax Linen's attention under autocast)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _hlo  # noqa: E402
 import _model  # noqa: E402
 
 B, T, N, H = 2, 128, 4, 64
@@ -102,7 +103,7 @@ def main() -> int:
             try:
                 row.append(str(cudnn_calls(f, args)))
             except Exception as e:  # noqa: BLE001
-                row.append(f"{type(e).__name__}: {str(e).splitlines()[0][:60]}")
+                row.append(_hlo.error_line(e, 60))
             del label
         rows.append(row)
     header = ["attention", "autocast bf16", "autocast f16", "fused_attention=False", "float32"]

@@ -250,7 +250,7 @@ def attempt(start: float, label: str, doing: str, measure: Any, *args: Any) -> d
     try:
         result = measure(*args)
     except Exception as e:  # noqa: BLE001
-        result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+        result = {"error": _hlo.error_line(e)}
     progress(start, f"{label}: {describe(result)}")
     return result
 

@@ -238,7 +238,7 @@ def measure(
             try:
                 row = measure_row(config, params, None if name == "bf16" else name, batch, repeats)
             except Exception as e:  # noqa: BLE001
-                row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+                row = {"error": _hlo.error_line(e)}
             results[name, batch] = row
             if progress:
                 progress(f"generation {name}, batch {batch}: {_describe(row)}")

@@ -364,6 +364,24 @@ def test_quantized_generation_model_runs_quantized_close_to_bfloat16(benchmarks_
         assert out_cache["k"].dtype == jnp.bfloat16
 
 
+def test_an_error_without_a_message_is_its_type(benchmarks_on_path):
+    import _hlo
+    import quantized_generation as qg
+
+    assert _hlo.error_line(MemoryError()) == "MemoryError"
+    assert _hlo.error_line(ValueError("first\nsecond"), 3) == "ValueError: fir"
+
+    def fail(*args, **kwargs):
+        raise MemoryError
+
+    config = qg.Config(d_model=32, layers=1, heads=2, vocab=64, prompt=4, new_tokens=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qg, "measure_row", fail)
+        results = qg.measure(config, recipes=("int8",), batches=(1,))
+    assert results == {("bf16", 1): {"error": "MemoryError"}, ("int8", 1): {"error": "MemoryError"}}
+    assert "| MemoryError" in qg.report(config, results)
+
+
 def test_compiled_low_precision_gemms_reads_typed_and_named_operands(benchmarks_on_path):
     import _hlo
 

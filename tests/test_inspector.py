@@ -106,7 +106,7 @@ def test_one_pass_reduction_agrees_with_separate_reductions():
     rng = np.random.default_rng(0)
     n = 256
     tiny = np.float32(np.finfo(np.float32).tiny)
-    base = np.clip(rng.normal(size=(12, n)), -4, 4).astype(np.float32)
+    base = np.clip(rng.normal(size=(14, n)), -4, 4).astype(np.float32)
     refs = base.copy()
     values = (base * (1 + 1e-3 * rng.normal(size=base.shape))).astype(np.float32)
     values[1, 3], values[2, 5], values[3, 7] = np.nan, np.inf, -np.inf
@@ -118,6 +118,9 @@ def test_one_pass_reduction_agrees_with_separate_reductions():
     values[10, :8] = tiny * np.arange(1, 9) / 16  # subnormal values, normal references
     values[11], refs[11] = values[11] * tiny * 4, refs[11] * tiny * 4  # near the smallest
     refs[11, :4] = tiny / np.arange(2, 6)  # subnormal references
+    refs[12] = 0.0  # references all zero, values not: a finite error
+    refs[13] = 0.0
+    refs[13, :3] = tiny / np.arange(2, 5)  # references only subnormal
     for ref in (jnp.asarray(refs), None):
         one, separate = (
             jax.jit(lambda v, r, p=p: stats_lib._measure(v, r, FORMATS, one_pass=p))(
@@ -143,9 +146,46 @@ def test_one_pass_reduction_agrees_with_separate_reductions():
                 got = s_ * np.sqrt(q)
                 # Row 11's errors are subnormal numbers, which XLA on CPU flushes to zero:
                 # within 10% there; the others to float32 rounding.
-                np.testing.assert_allclose(got[:11], want[k][:11], rtol=1e-5)
+                # Row 13's references are subnormal: their norm is too (flushed on CPU).
+                rows = [*range(11), 12, 13] if k == 0 else [*range(11), 12]
+                np.testing.assert_allclose(got[rows], want[k][rows], rtol=1e-5)
+                assert k == 0 or got[13] < tiny
                 np.testing.assert_allclose(got[11], want[k][11], rtol=0.1)
         assert np.isinf(np.asarray(one.norms[0])[[2, 3]]).all()  # inf where the ref is finite
+
+
+def test_float64_norms_near_the_float64_maximum():
+    from jaxmp._src.inspector import stats as stats_lib
+
+    with jax.enable_x64(True):
+        values = np.asarray([[1.0e308, 1.0, 0.0], [3.0, 4.0, 0.0]])
+        refs = np.asarray([[1.1e308, 1.0, 0.0], [0.0, 0.0, 0.0]])
+        group = jax.jit(lambda v, r: stats_lib._measure(v, r, FORMATS))(values, refs)
+        norms = [np.asarray(x, np.float64) for x in group.norms]
+    err, ref_norm = norms[0] * np.sqrt(norms[1]), norms[2] * np.sqrt(norms[3])
+    np.testing.assert_allclose(err, [1.0e307, 5.0], rtol=1e-12)
+    np.testing.assert_allclose(ref_norm, [1.1e308, 0.0], rtol=1e-12)
+
+
+def test_errors_combined_over_iterations_stay_finite_where_a_reference_is_zero():
+    # A row measured in a loop body: its iterations' norms combine. An iteration whose
+    # reference is all zero has a finite error, which must not make the combined one inf.
+    def g(a, b, c):
+        return ((a + b) - a) - b + c
+
+    a = jnp.full((4,), 1000.0, jnp.bfloat16)
+    b = jnp.full((4,), 0.3, jnp.bfloat16)
+    cs = jnp.asarray([[0.0] * 4, [1.0] * 4], jnp.bfloat16)
+
+    def scanned(a, b, cs):
+        return lax.scan(lambda carry, c: (carry, g(a, b, c)), 0.0, cs)[1]
+
+    policy = "p=bf16,c=bf16"
+    _, report = jax.jit(jaxmp.inspect(scanned, policy))(a, b, cs)
+    _, vreport = jax.jit(jax.vmap(jaxmp.inspect(g, policy), in_axes=(None, None, 0)))(a, b, cs)
+    for r in (report, vreport):
+        adds = [row for row in r.rows if row.primitive == "add"]
+        assert adds and all(np.isfinite(row.rel_error) for row in adds), adds
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)

@@ -156,6 +156,18 @@ def test_int4_error_is_never_above_plain_absmax_rounding():
     assert np.all(np.sign(deq[[0, -1]]) == np.sign(small[[0, -1]]))  # the extremes kept
 
 
+def test_int4_choice_does_not_depend_on_the_weights_scale():
+    # The candidates' errors are compared relative to the group's absmax: scaling a weight by
+    # a power of two scales its scales and keeps its values, from 1e-18 to 1e30.
+    w = np.clip(np.random.default_rng(3).normal(size=(128, 16)), -4, 4).astype(np.float32)
+    recipe = jaxmp.Int4WeightOnly(group_size=32)
+    ref = q_lib.quantize_array(jnp.asarray(w), (0,), recipe)
+    for k in (-60, 64, 100):
+        q = q_lib.quantize_array(jnp.asarray(w * np.float32(2.0**k)), (0,), recipe)
+        np.testing.assert_array_equal(np.asarray(q.values), np.asarray(ref.values), err_msg=k)
+        np.testing.assert_array_equal(np.asarray(q.scales), np.asarray(ref.scales) * 2.0**k)
+
+
 def test_round_trips_are_exact_on_the_grid():
     rng = np.random.default_rng(1)
     # Power-of-two steps: amax / 127 is then exact whatever the division's rounding.

@@ -363,15 +363,19 @@ def int4_search(groups: jax.Array) -> tuple[jax.Array, jax.Array]:
     # 1 for an all-zero group, where every candidate is exact.
     base = absmax_scale(groups, (-1,), Int4WeightOnly.qmax)
     x = groups.astype(base.dtype)
+    # The errors relative to `base` (values in [-7, 7]): their squares neither overflow nor
+    # underflow, whatever the weights' magnitude.
+    normalised = x / base
 
-    def candidate(scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def candidate(r: float, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         ints = jnp.clip(jnp.round(x / scale), -8, 7)
-        return scale, ints, jnp.sum(jnp.square(ints * scale - x), axis=-1, keepdims=True)
+        err = jnp.sum(jnp.square(ints * r - normalised), axis=-1, keepdims=True)
+        return scale, ints, err
 
-    best_scale, best_ints, best_err = candidate(base)  # r = 1
+    best_scale, best_ints, best_err = candidate(1.0, base)
     for r in INT4_SCALE_FRACTIONS[1:]:
         # Never below the smallest normal number (a subnormal scale may be flushed to 0).
-        scale, ints, err = candidate(jnp.maximum(base * r, jnp.finfo(base.dtype).tiny))
+        scale, ints, err = candidate(r, jnp.maximum(base * r, jnp.finfo(base.dtype).tiny))
         better = err < best_err
         best_scale = jnp.where(better, scale, best_scale)
         best_ints = jnp.where(better, ints, best_ints)

@@ -382,8 +382,7 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
     if refs is None:
         ref_max = largest
     else:
-        r_edges = bins.exponent_edges
-        r_subnormal = hist[:, :, r_edges[0] : r_edges[_first_normal_bin(r_layout)]].sum(axis=(1, 2))
+        r_subnormal = _reference_subnormals(hist, bins, r_layout)
         ref_max = _extremes(refs, r_layout, r_subnormal, largest_only=True)
         finite, r_finite = mag < inf, r_mag < r_inf
         value = lax.convert_element_type(values, refs.dtype)
@@ -393,15 +392,15 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
         size = jnp.abs(jnp.where(r_finite, refs, 0))
         # Both relative to the largest reference value: no overflow, no underflow that
         # matters (an error 1e19 times the largest value would overflow: it is inf anyway).
-        # float32: the power of two `_norm_scale` (exact, and its inverse a normal number:
-        # XLA multiplies by the inverse, which for a scale above 2^126 would flush to zero);
-        # float64 (whose exponents the histogram clips): the largest reference value.
+        # A power of two (`_power_of_two`): for float32 from the histogram, for float64
+        # (whose exponents the histogram clips) from the largest reference value's bits.
         if r_layout == _F32:
             scale, inverse = _norm_scale(hist, bins)
-        else:
-            scale = lax.bitcast_convert_type(ref_max, refs.dtype)
-            scale = jnp.where(scale > 0, scale, 1)
-            inverse = 1 / scale
+        else:  # the exponent field of the largest value (0: zero or subnormal)
+            signed = np.dtype(f"int{8 * r_layout.uint_dtype.itemsize}")
+            field = (ref_max >> r_layout.mantissa_bits).astype(signed)
+            exponent = jnp.where(field > 0, field - r_layout.bias, -r_layout.bias)
+            scale, inverse = _power_of_two(exponent, r_layout)
         for x in (diff, size):
             q = jnp.sum(jnp.square(x * inverse[:, None]), axis=-1)
             infinite = jnp.isinf(q)  # norm s * sqrt(q): an inf error is (inf, 1)
@@ -416,18 +415,26 @@ def _bin_exponents(bins: _Bins) -> np.ndarray:
     return (exponents + EXPONENT_MIN).astype(np.int32)
 
 
+def _power_of_two(exponent: Any, layout: _Layout) -> tuple[Any, Any]:
+    """``(2^e, 2^-e)`` in `layout`'s float dtype, e the binary exponent of a row's largest
+    reference, clipped to the normal range (both normal numbers: XLA multiplies by the
+    inverse, and a subnormal one would be flushed to zero); 0 where the row has no normal
+    nonzero finite reference (all zero, subnormal or non-finite: scale 1, as on the host)."""
+    lowest = 1 - layout.bias
+    exponent = jnp.where(exponent < lowest, 0, jnp.minimum(exponent, layout.bias - 1))
+    one = layout.float_dtype.type(1)
+    return jnp.ldexp(one, exponent), jnp.ldexp(one, -exponent)
+
+
 def _norm_scale(hist: Any, bins: _Bins) -> tuple[Any, Any]:
-    """``(2^e, 2^-e)`` per row, e the binary exponent of the largest nonzero finite float32
-    reference (the highest nonzero bin of `hist`), clipped to [-126, 126]: both normal
-    numbers, references below ``2^(e+1)`` (``4 * 2^e`` where clipped at 126), and scaling by
-    them exact."""
+    """`_power_of_two` of the largest nonzero finite float32 reference of each row, read from
+    its histogram (the highest nonzero bin): references below ``2^(e+1)`` (``4 * 2^e`` where
+    clipped at 126), scaling by it exact."""
     counts = hist.sum(axis=1)
     positions = jnp.arange(bins.size, dtype=jnp.int32)
     finite_nonzero = (positions >= bins.one) & (positions < bins.inf)
     top = jnp.max(jnp.where((counts > 0) & finite_nonzero, positions, bins.one), axis=-1)
-    exponent = jnp.clip(jnp.asarray(_bin_exponents(bins))[top], 1 - _F32.bias, _F32.bias - 1)
-    one = np.float32(1)
-    return jnp.ldexp(one, exponent), jnp.ldexp(one, -exponent)
+    return _power_of_two(jnp.asarray(_bin_exponents(bins))[top], _F32)
 
 
 def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
@@ -474,9 +481,7 @@ def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
     if refs is None:
         ref_max = largest
     else:
-        bins_r = bins.exponent_edges
-        r_subnormal = hist[:, :, bins_r[0] : bins_r[_first_normal_bin(layout)]].sum(axis=(1, 2))
-        lo = _subnormal_extremes(refs, layout, r_subnormal)
+        lo = _subnormal_extremes(refs, layout, _reference_subnormals(hist, bins, layout))
         ref_max, _ = _join_extremes(reduced[2], infinity, lo, layout)
         for q in reduced[3:]:
             infinite = jnp.isinf(q)  # norm s * sqrt(q): an inf error is (inf, 1)
@@ -484,6 +489,12 @@ def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
     return _Group(
         maxima=(largest, smallest, ref_max), hist=hist.reshape(len(values), -1), norms=norms
     )
+
+
+def _reference_subnormals(hist: Any, bins: _Bins, layout: _Layout) -> Any:
+    """The subnormal references of each row (their exponent bins of `hist`, every class)."""
+    edges = bins.exponent_edges
+    return hist[:, :, edges[0] : edges[_first_normal_bin(layout)]].sum(axis=(1, 2))
 
 
 def _first_normal_bin(layout: _Layout) -> int:
