@@ -80,6 +80,7 @@ def test_gpu_benchmark_tiny_runs_on_cpu():
     assert ratio["jaxmp.loss_scaling(adam)"] < ratio["naive"]
 
 
+@pytest.mark.slow  # trains the tiny model; the scripts run whole with the slow tests
 def test_train_step_benchmark_functions(benchmarks_on_path):
     import _model
     import train_step
@@ -212,6 +213,7 @@ def test_gpu_benchmark_low_memory_step_tracks_mixed_bfloat16(benchmarks_on_path)
     assert state_bytes <= 4.1 * n  # two bfloat16 moments (and scalars), no master copy
 
 
+@pytest.mark.slow  # compiles a train step
 def test_gpu_benchmark_row_times_steps_after_a_compile_past_its_deadline(benchmarks_on_path):
     """A row whose compile outlasts its share of the budget still reports a measured time."""
     import _model
@@ -244,6 +246,7 @@ def test_gpu_benchmark_gemm_rows_count_the_fp8_gemms(benchmarks_on_path, capsys)
         assert float(rows[f"GEMM: FP8 {recipe}"][2]) > 0  # timed
 
 
+@pytest.mark.slow  # compiles a train step
 def test_gpu_benchmark_only_selects_rows_and_names_them_when_none_match(benchmarks_on_path, capsys):
     import gpu_benchmark
 
@@ -333,7 +336,10 @@ def test_quantized_generation_rows_measure_each_recipe(benchmarks_on_path):
 def test_quantized_generation_lowers_without_running(benchmarks_on_path, capsys):
     import quantized_generation as qg
 
-    qg.main(["--tiny", "--lower", "cpu"])
+    with pytest.MonkeyPatch.context() as patch:  # a smaller decoder than --tiny's
+        small = qg.Config(d_model=32, layers=1, heads=2, vocab=64, prompt=4, new_tokens=3)
+        patch.setitem(qg.CONFIGS, "tiny", small)
+        qg.main(["--tiny", "--lower", "cpu"])
     out = capsys.readouterr().out
     assert "int8_dynamic: 7 int8/FP8 GEMMs per decode step ['i8 x i8 -> i32']" in out
     assert "fp8: 7 int8/FP8 GEMMs per decode step ['f8E4M3FN x f8E4M3FN -> f32']" in out
