@@ -384,28 +384,37 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
     else:
         r_subnormal = _reference_subnormals(hist, bins, r_layout)
         ref_max = _extremes(refs, r_layout, r_subnormal, largest_only=True)
-        finite, r_finite = mag < inf, r_mag < r_inf
-        value = lax.convert_element_type(values, refs.dtype)
-        diff = jnp.abs(jnp.where(r_finite, value - jnp.where(r_finite, refs, 0), 0))
-        # A non-finite value where the reference is finite: an infinite error.
-        diff = jnp.where(r_finite & ~finite, jnp.inf, diff)
-        size = jnp.abs(jnp.where(r_finite, refs, 0))
-        # Both relative to the largest reference value: no overflow, no underflow that
-        # matters (an error 1e19 times the largest value would overflow: it is inf anyway).
-        # A power of two (`_power_of_two`): for float32 from the histogram, for float64
-        # (whose exponents the histogram clips) from the largest reference value's bits.
-        if r_layout == _F32:
-            scale, inverse = _norm_scale(hist, bins)
-        else:  # the exponent field of the largest value (0: zero or subnormal)
-            signed = np.dtype(f"int{8 * r_layout.uint_dtype.itemsize}")
-            field = (ref_max >> r_layout.mantissa_bits).astype(signed)
-            exponent = jnp.where(field > 0, field - r_layout.bias, -r_layout.bias)
-            scale, inverse = _power_of_two(exponent, r_layout)
-        for x in (diff, size):
-            q = jnp.sum(jnp.square(x * inverse[:, None]), axis=-1)
-            infinite = jnp.isinf(q)  # norm s * sqrt(q): an inf error is (inf, 1)
-            norms += (jnp.where(infinite, jnp.inf, scale), jnp.where(infinite, 1, q))
+        diff, size = _error_and_size(values, refs)
+        # Both relative to a power of two near the largest reference value (`_power_of_two`):
+        # no overflow, no underflow that matters (an error 1e19 times the largest value would
+        # overflow: it is inf anyway).
+        signed = np.dtype(f"int{8 * r_layout.uint_dtype.itemsize}")
+        field = (ref_max >> r_layout.mantissa_bits).astype(signed)  # 0: zero or subnormal
+        exponent = jnp.where(field > 0, field - r_layout.bias, -r_layout.bias)
+        scale, inverse = _power_of_two(exponent, r_layout)
+        sums = [jnp.sum(jnp.square(x * inverse[:, None]), axis=-1) for x in (diff, size)]
+        norms = _norm_pairs(sums, scale)
     return _Group(maxima=(largest, smallest, ref_max), hist=hist.reshape(rows, width), norms=norms)
+
+
+def _error_and_size(values: Any, refs: Any) -> tuple[Any, Any]:
+    """``|value - ref|`` and ``|ref|`` where the reference is finite (0 elsewhere); the error
+    is inf where the value is non-finite and its reference finite."""
+    value = lax.convert_element_type(values, refs.dtype)
+    r_finite = jnp.isfinite(refs)
+    diff = jnp.abs(jnp.where(r_finite, value - jnp.where(r_finite, refs, 0), 0))
+    diff = jnp.where(r_finite & ~jnp.isfinite(value), jnp.inf, diff)
+    return diff, jnp.abs(jnp.where(r_finite, refs, 0))
+
+
+def _norm_pairs(sums: Iterable[Any], scale: Any) -> tuple[Any, ...]:
+    """The ``(s, q)`` pair of each sum of squares relative to `scale` (norm ``s * sqrt(q)``):
+    an infinite sum is ``(inf, 1)``."""
+    pairs: tuple[Any, ...] = ()
+    for q in sums:
+        infinite = jnp.isinf(q)
+        pairs += (jnp.where(infinite, jnp.inf, scale), jnp.where(infinite, 1, q))
+    return pairs
 
 
 def _bin_exponents(bins: _Bins) -> np.ndarray:
@@ -454,18 +463,13 @@ def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
     scale: Any = None
     if refs is not None:
         r_magnitude = jnp.abs(refs)
-        r_finite = r_magnitude < infinity
-        r_normal = (r_magnitude >= tiny) & r_finite
+        r_normal = (r_magnitude >= tiny) & (r_magnitude < infinity)
         scale, inverse = _norm_scale(hist, bins)
-        inverse = inverse[:, None]
-        diff = jnp.abs(jnp.where(r_finite, values - jnp.where(r_finite, refs, zero), zero))
-        # A non-finite value where the reference is finite: an infinite error.
-        diff = jnp.where(r_finite & ~(magnitude < infinity), infinity, diff)
-        size = jnp.where(r_finite, r_magnitude, zero)
+        diff, size = _error_and_size(values, refs)
         operands += [
             jnp.where(r_normal, r_magnitude, zero),
-            jnp.square(diff * inverse),
-            jnp.square(size * inverse),
+            jnp.square(diff * inverse[:, None]),
+            jnp.square(size * inverse[:, None]),
         ]
         inits += [zero, zero, zero]
         kinds += [lax.max, lax.add, lax.add]
@@ -483,9 +487,7 @@ def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
     else:
         lo = _subnormal_extremes(refs, layout, _reference_subnormals(hist, bins, layout))
         ref_max, _ = _join_extremes(reduced[2], infinity, lo, layout)
-        for q in reduced[3:]:
-            infinite = jnp.isinf(q)  # norm s * sqrt(q): an inf error is (inf, 1)
-            norms += (jnp.where(infinite, infinity, scale), jnp.where(infinite, 1, q))
+        norms = _norm_pairs(reduced[3:], scale)
     return _Group(
         maxima=(largest, smallest, ref_max), hist=hist.reshape(len(values), -1), norms=norms
     )
