@@ -174,6 +174,16 @@ def make_programs(config: Config, quantized: bool) -> tuple[Any, Any]:
     return prefill, decode
 
 
+def quantize_params(config: Config, params: Any, recipe: str | None, cache: Any) -> Any:
+    """`params` quantised with `recipe` (None: as they are) by `jaxmp.quantize` of the decoder's
+    step, traced with `cache` and one token per sequence."""
+    if recipe is None:
+        return params
+    tokens = jnp.zeros((cache["k"].shape[1], 1), jnp.int32)
+    pos = jnp.zeros((), jnp.int32)
+    return jaxmp.quantize(make_step(config), params, cache, tokens, pos, recipe=recipe)
+
+
 def param_bytes(params: Any) -> int:
     return sum(int(x.nbytes) for x in jax.tree.leaves(params))
 
@@ -187,12 +197,9 @@ def measure_row(
     config: Config, params: Any, recipe: str | None, batch: int, repeats: int
 ) -> dict[str, Any]:
     """One row: `recipe` (None: bfloat16) at `batch`."""
-    step = make_step(config)
     cache = empty_cache(config, batch)
     prompt = jax.random.randint(jax.random.key(1), (batch, config.prompt), 0, config.vocab)
-    if recipe is not None:
-        example = (cache, prompt[:, :1], jnp.zeros((), jnp.int32))
-        params = jaxmp.quantize(step, params, *example, recipe=recipe)
+    params = quantize_params(config, params, recipe, cache)
     prefill, decode = make_programs(config, quantized=recipe is not None)
     t0 = time.perf_counter()
     prefill_c = jax.jit(prefill).lower(params, cache, prompt).compile()
@@ -306,15 +313,13 @@ def lowered_gemms(config: Config, platform: str) -> dict[str, list[dict[str, Any
     """Per recipe (and ``"bf16"``), the int8/FP8 GEMMs of the decode program lowered for
     `platform` (``"cuda"`` needs jax's CUDA plugin installed, not a GPU)."""
     params = init_params(config)
-    step = make_step(config)
     cache = empty_cache(config, 1)
     first, pos = jnp.zeros((1,), jnp.int32), jnp.asarray(config.prompt, jnp.int32)
     found = {}
     for name in ("bf16", *RECIPES):
-        p = params
-        if name != "bf16":
-            p = jaxmp.quantize(step, params, cache, first[:, None], pos, recipe=name)
-        decode = make_programs(config, quantized=name != "bf16")[1]
+        recipe = None if name == "bf16" else name
+        p = quantize_params(config, params, recipe, cache)
+        decode = make_programs(config, quantized=recipe is not None)[1]
         lowered = jax.jit(decode).trace(p, cache, first, pos).lower(lowering_platforms=(platform,))
         found[name] = _hlo.quantized_gemms(lowered.as_text())
     return found

@@ -147,7 +147,7 @@ class Int4WeightOnly:
 
     name: ClassVar[str] = "int4"
     storage: ClassVar[Any] = jnp.dtype(jnp.uint8)
-    qmax: ClassVar[float] = 7.0  # of the first candidate scale, amax / 7 (see `int4_search`)
+    qmax: ClassVar[float] = 7.0  # the first candidate scale is amax / 7 (`int4_search`)
 
     def __post_init__(self) -> None:
         size = self.group_size
@@ -297,8 +297,8 @@ def absmax_scale(x: jax.Array, axes: Sequence[int], qmax: float) -> jax.Array:
 
 
 def quantize_values(x: jax.Array, scale: jax.Array, recipe: Any) -> jax.Array:
-    """`x / scale` rounded to nearest on the recipe's grid: E4M3, or int8 (int4's values
-    too, before `pack_int4`)."""
+    """`x / scale` rounded to nearest on the recipe's grid: E4M3, or int8 in
+    ``[-qmax, qmax]`` (int4's values are `int4_search`'s)."""
     y = x.astype(scale.dtype) / scale
     if recipe.storage == _FP8:
         return jnp.clip(y, -_FP8_MAX, _FP8_MAX).astype(_FP8)
