@@ -473,6 +473,18 @@ def test_recipe_errors_name_the_argument_and_the_choices():
         jaxmp.quantize(_mlp, p, x, recipe="int9")
     with pytest.raises(TypeError, match=r"`recipe` must be a quantisation recipe .*Int8WeightOnly"):
         jaxmp.quantize(_mlp, p, x, recipe=8)
+    with pytest.raises(
+        TypeError,
+        match=r"`recipe` must be .*got the class jaxmp.Int8WeightOnly; "
+        r"pass an instance: jaxmp.Int8WeightOnly\(\)",
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe=jaxmp.Int8WeightOnly)
+    with pytest.raises(
+        TypeError, match=r"`recipe` must be a quantisation recipe .*'int4'\), got DelayedScaling"
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe=jaxmp.DelayedScaling())
+    with pytest.raises(TypeError, match=r"`recipe` must be .*got None\."):
+        jaxmp.quantization_plan(_mlp, p, x, recipe=None)
     with pytest.raises(ValueError, match=r"`group_size` must be a positive even integer.*got 33"):
         jaxmp.Int4WeightOnly(group_size=33)
     assert hash(jaxmp.Int4WeightOnly()) == hash(jaxmp.Int4WeightOnly(128))
@@ -490,6 +502,35 @@ def test_exclude_errors_list_the_leaves():
         jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=[3])
     q = jaxmp.quantize(_mlp, p, x, recipe="int8", exclude="w2")
     assert q["w2"] is p["w2"] and isinstance(q["w1"], jaxmp.QuantizedArray)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1, 33, 2.0, 64.0, "64", True, None])
+def test_group_size_errors(bad):
+    with pytest.raises(
+        ValueError,
+        match=rf"`group_size` must be a positive even integer \(64, 128, 256, ...\), "
+        rf"got {re.escape(repr(bad))}\.",
+    ):
+        jaxmp.Int4WeightOnly(group_size=bad)
+
+
+def test_group_size_accepts_numpy_integers():
+    recipe = jaxmp.Int4WeightOnly(group_size=np.int64(64))
+    assert type(recipe.group_size) is int
+    assert recipe == jaxmp.Int4WeightOnly(64) and hash(recipe) == hash(jaxmp.Int4WeightOnly(64))
+
+
+@pytest.mark.parametrize("bad", [3, ["w1", 3], b"w1", {"w1"}])
+def test_exclude_of_the_wrong_type(bad):
+    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
+    with pytest.raises(
+        TypeError,
+        match=rf"`exclude` must be a regex or a sequence of regexes \(strings\), "
+        rf"got {re.escape(repr(bad))}\.",
+    ):
+        jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=bad)
+    with pytest.raises(ValueError, match=r"`exclude` must hold valid regexes, got '\(\('"):
+        jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=["w1", "(("])
 
 
 def test_int4_leaves_a_weight_whose_contraction_is_not_a_multiple_of_the_group():
@@ -690,51 +731,6 @@ def test_differentiating_quantized_is_an_error(name):
     y = run(q, x)
     g = jax.grad(lambda t: t * lax.stop_gradient(run(q, x)).sum() + t * run(q, x).sum())(2.0)
     np.testing.assert_allclose(float(g), 2 * float(y.sum()), rtol=1e-5)
-
-
-def test_recipe_of_the_wrong_type_names_it_and_the_choices():
-    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
-    with pytest.raises(
-        TypeError,
-        match=r"`recipe` must be .*got the class jaxmp.Int8WeightOnly; "
-        r"pass an instance: jaxmp.Int8WeightOnly\(\)",
-    ):
-        jaxmp.quantize(_mlp, p, x, recipe=jaxmp.Int8WeightOnly)
-    with pytest.raises(
-        TypeError, match=r"`recipe` must be a quantisation recipe .*'int4'\), got DelayedScaling"
-    ):
-        jaxmp.quantize(_mlp, p, x, recipe=jaxmp.DelayedScaling())
-    with pytest.raises(TypeError, match=r"`recipe` must be .*got None\."):
-        jaxmp.quantization_plan(_mlp, p, x, recipe=None)
-
-
-@pytest.mark.parametrize("bad", [0, -2, 1, 33, 2.0, 64.0, "64", True, None])
-def test_group_size_errors(bad):
-    with pytest.raises(
-        ValueError,
-        match=rf"`group_size` must be a positive even integer \(64, 128, 256, ...\), "
-        rf"got {re.escape(repr(bad))}\.",
-    ):
-        jaxmp.Int4WeightOnly(group_size=bad)
-
-
-def test_group_size_accepts_numpy_integers():
-    recipe = jaxmp.Int4WeightOnly(group_size=np.int64(64))
-    assert type(recipe.group_size) is int
-    assert recipe == jaxmp.Int4WeightOnly(64) and hash(recipe) == hash(jaxmp.Int4WeightOnly(64))
-
-
-@pytest.mark.parametrize("bad", [3, ["w1", 3], b"w1", {"w1"}])
-def test_exclude_of_the_wrong_type(bad):
-    p, x = _mlp_params(), jnp.ones((2, 64), jnp.bfloat16)
-    with pytest.raises(
-        TypeError,
-        match=rf"`exclude` must be a regex or a sequence of regexes \(strings\), "
-        rf"got {re.escape(repr(bad))}\.",
-    ):
-        jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=bad)
-    with pytest.raises(ValueError, match=r"`exclude` must hold valid regexes, got '\(\('"):
-        jaxmp.quantize(_mlp, p, x, recipe="int8", exclude=["w1", "(("])
 
 
 def test_quantising_twice_is_an_error_naming_the_leaf():
