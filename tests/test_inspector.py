@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax import lax
@@ -152,6 +153,71 @@ def test_one_pass_reduction_agrees_with_separate_reductions():
                 assert k == 0 or got[13] < tiny
                 np.testing.assert_allclose(got[11], want[k][11], rtol=0.1)
         assert np.isinf(np.asarray(one.norms[0])[[2, 3]]).all()  # inf where the ref is finite
+
+
+def test_one_pass_is_one_reduction_of_the_rows_in_the_compiled_program():
+    # The promise of the one-pass statistics: XLA compiles the extremes and both norms of the
+    # rows into one variadic reduction over them (five float32 outputs per row), where the
+    # separate reductions are one reduction each.
+    from jaxmp._src.inspector import stats as stats_lib
+
+    values = jnp.ones((8, 4096))
+
+    def float_reductions(one_pass):
+        measure = jax.jit(lambda v, r: stats_lib._measure(v, r, FORMATS, one_pass=one_pass))
+        text = measure.lower(values, values * 1.001).compile().as_text()
+        single = re.findall(r"= f32\[8\]\{0\} reduce\(", text)
+        fused = re.findall(r"= \((?:f32\[8\]\{0\}(?:, )?){5}\) reduce\(", text)
+        return len(single), len(fused)
+
+    assert float_reductions(True) == (0, 1)
+    single, fused = float_reductions(False)
+    assert fused == 0 and single >= 3
+
+
+def test_an_inspected_train_step_keeps_the_loss_scaling_guarantees():
+    # Inspecting a mixed_float16 step changes nothing it computes: an overflowing step is
+    # skipped as the plain step skips it (params and optimizer state bit-identical to the plain
+    # step's), a finite one updates as the plain step does, params keep their dtype.
+    tx = jaxmp.mixed_precision(optax.adam(1e-2), "mixed_float16")
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 16)), "b": jnp.zeros((16,))}
+
+    def loss_fn(p, x):
+        h = jnp.tanh(
+            x.astype(jnp.float16) @ p["w"].astype(jnp.float16) + p["b"].astype(jnp.float16)
+        )
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    grad = jaxmp.value_and_grad(loss_fn)
+
+    def plain(p, state, x):
+        loss, g = grad(jaxmp.get_loss_scale(state), p, x)
+        updates, state = tx.update(g, state, p)
+        return optax.apply_updates(p, updates), state
+
+    def inspected(p, state, x):
+        (loss, g), report = jaxmp.inspect(grad)(jaxmp.get_loss_scale(state), p, x)
+        updates, state = tx.update(g, state, p)
+        return optax.apply_updates(p, updates), state, report
+
+    state = tx.init(params)
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    for inputs in (x, x.at[0, 0].set(1e6)):  # finite, then a float16 overflow
+        want_p, want_state = jax.jit(plain)(params, state, inputs)
+        got_p, got_state, report = jax.jit(inspected)(params, state, inputs)
+        got, want = jax.tree.leaves((got_p, got_state)), jax.tree.leaves((want_p, want_state))
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert all(got_p[k].dtype == params[k].dtype for k in params)
+    # The overflowing step (as the plain one, above): skipped, the params as they were, the
+    # scale halved; the report names where the overflow is.
+    for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (
+        float(jaxmp.get_loss_scale(got_state).loss_scale)
+        == float(jaxmp.get_loss_scale(state).loss_scale) / 2
+    )
+    assert report.first_nonfinite is not None
 
 
 def test_float64_norms_near_the_float64_maximum():
