@@ -153,12 +153,24 @@ def test_one_pass_reduction_agrees_with_separate_reductions():
                 assert k == 0 or got[13] < tiny
                 np.testing.assert_allclose(got[11], want[k][11], rtol=0.1)
         assert np.isinf(np.asarray(one.norms[0])[[2, 3]]).all()  # inf where the ref is finite
+    # The subnormal extremes of the values and of the references are reduced together where
+    # either holds some: rows with subnormal values only, references only, neither.
+    for rows in ([0, 10], [0, 13], [0, 11], [0, 12]):
+        v, r = jnp.asarray(values[rows]), jnp.asarray(refs[rows])
+        one, separate = (
+            jax.jit(lambda v, r, p=p: stats_lib._measure(v, r, FORMATS, one_pass=p))(v, r)
+            for p in (True, False)
+        )
+        for a, b in zip(one.maxima, separate.maxima, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_one_pass_is_one_reduction_of_the_rows_in_the_compiled_program():
     # The promise of the one-pass statistics: XLA compiles the extremes and both norms of the
     # rows into one variadic reduction over them (five float32 outputs per row), where the
-    # separate reductions are one reduction each.
+    # separate reductions are one reduction each; and the subnormal extremes of the values
+    # and of the references into one conditional (a kernel set for XLA to compile), where the
+    # separate reductions have one each.
     from jaxmp._src.inspector import stats as stats_lib
 
     values = jnp.ones((8, 4096))
@@ -168,11 +180,12 @@ def test_one_pass_is_one_reduction_of_the_rows_in_the_compiled_program():
         text = measure.lower(values, values * 1.001).compile().as_text()
         single = re.findall(r"= f32\[8\]\{0\} reduce\(", text)
         fused = re.findall(r"= \((?:f32\[8\]\{0\}(?:, )?){5}\) reduce\(", text)
-        return len(single), len(fused)
+        conditionals = re.findall(r" conditional\(", text)
+        return len(single), len(fused), len(conditionals)
 
-    assert float_reductions(True) == (0, 1)
-    single, fused = float_reductions(False)
-    assert fused == 0 and single >= 3
+    assert float_reductions(True) == (0, 1, 1)
+    single, fused, conditionals = float_reductions(False)
+    assert fused == 0 and single >= 3 and conditionals == 2
 
 
 def test_an_inspected_train_step_keeps_the_loss_scaling_guarantees():
@@ -754,6 +767,59 @@ def test_rows_of_one_size_are_measured_together():
         want = numpy_stats(value)
         assert (row.max_abs, row.min_abs, row.nonzero) == (want["max_abs"], want["min_abs"], 63)
         np.testing.assert_array_equal(row.histogram, want["histogram"])
+
+
+def test_rows_of_nearby_sizes_are_measured_together_with_the_same_statistics(monkeypatch):
+    # Rows of a shorter size join the group of a longer one (padded with zeros) when that
+    # pads few values: one scatter for rows of five sizes, where grouping only rows of one
+    # size takes five; every statistic the same as with no padding, in a float16 program
+    # (errors and lost values against its float32 reference) with NaN, inf and underflow.
+    def f(x):
+        outs = []
+        for n in (128, 2048, 16384, 65536, 61440):
+            v = x[-n:].astype(jnp.float16) * 3.0
+            e = jnp.exp(v)  # inf in float16 above 11.1
+            outs.append(jnp.log(e - 1.0) + (v * 1e-4) ** 4)  # NaN below 0; underflow
+        return outs
+
+    x = jnp.linspace(-4.0, 4.0, 65536)
+    inspected = jaxmp.inspect(f)
+    _, merged = jax.jit(inspected)(x)
+    assert jax.jit(inspected).lower(x).as_text().count('"stablehlo.scatter"(') == 1
+    monkeypatch.setattr(inspector_rules, "_PAD_VALUES", 0)  # only rows of one size together
+    alone = jaxmp.inspect(f)
+    assert jax.jit(alone).lower(x).as_text().count('"stablehlo.scatter"(') == 5
+    _, apart = jax.jit(alone)(x)
+    assert len(merged) == len(apart) >= 30
+    assert any(r.nan for r in merged.rows) and any(r.inf for r in merged.rows)
+    assert any(r.underflow for r in merged.rows)
+    for a, b in zip(apart.rows, merged.rows, strict=True):
+        da, db = a.to_dict(), b.to_dict()
+        floats = {k for k, v in da.items() if isinstance(v, float)}
+        assert {k: v for k, v in da.items() if k not in floats} == {
+            k: v for k, v in db.items() if k not in floats
+        }
+        for k in floats:  # exact but for XLA's order of summation in the norms
+            np.testing.assert_allclose(da[k], db[k], rtol=TOLERANCE[F32])
+
+
+def test_size_groups_pad_at_most_their_bound(monkeypatch):
+    # Each size joins the group before it only when that pads at most `_PAD_VALUES` values
+    # or a thirty-second of the group's; rows of one size are always in one group.
+    class Entry:
+        def __init__(self, n):
+            self.value = np.zeros(n, np.float32)
+
+    monkeypatch.setattr(inspector_rules, "_PAD_VALUES", 1000)
+    sizes = [4096, 4096, 4000, 3000, 2990, 100, 90, 10, 5000, 4096, 10**6, 990_000, 10**6]
+    groups = inspector_rules._size_groups([Entry(n) for n in sizes])
+    assert [[e.value.size for e in g] for g in groups] == [
+        [10**6, 10**6, 990_000],  # pads 10,000: more than 1000, less than 2,990,000 / 32
+        [5000],  # 4096 would pad 3 x 904: more than 1000 and than 17,288 / 32
+        [4096, 4096, 4096, 4000],  # 4000 pads 96
+        [3000, 2990],  # 3000 would pad 1096: more than 1000 and than 19,288 / 32
+        [100, 90, 10],  # pad 10 and 90
+    ]
 
 
 def test_rows_measured_in_several_batches_are_the_same(monkeypatch):

@@ -24,9 +24,10 @@ What is measured, per op output (one row, see `OpStats`):
   so both take the same branches.
 
 How: the outputs of one body (the program, a loop body, a branch, a ``checkpoint``) wait until
-it ends, then those of one size and dtypes are measured together (`stats._measure`): one scatter
-counts each value's class by its reference's bin (`stats._Bins`: every count and the histogram),
-and a few float reductions give the extremes and the norms. XLA compiles one set of kernels
+it ends, then those of one dtype and of nearby sizes are measured together, padded with zeros
+to the longest (`rules._size_groups`, `stats._measure`): one scatter counts each value's class
+by its reference's bin (`stats._Bins`: every count and the histogram), and a few float
+reductions give the extremes and the norms. XLA compiles one set of kernels
 per group instead of one per op. Values that depend on no argument (constants) are computed
 once while tracing and measured then, with numpy (`stats._measure_host`). Where each NaN or inf
 came from is decided from the counts: for each row, whether its inputs held any (the rows

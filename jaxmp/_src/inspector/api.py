@@ -234,10 +234,10 @@ def inspect(
     The statistics are computed on device as extra outputs of the program: call the
     returned function under `jax.jit` (inside a train step, every N steps); it is traced
     once per argument signature. Called eagerly, it compiles itself once per signature.
-    The outputs of one size and dtypes are measured together (one reduction for all of
-    them), so each is kept alive until the end of its loop body or jit body, or until 256
-    MiB of them wait: inspecting adds memory. For a larger model, `every` and `modules`
-    measure a sample of the ops.
+    Outputs of one dtype and of nearby sizes are measured together (padded with zeros to
+    the longest: one set of kernels for all of them), so each is kept alive until the end
+    of its loop body or jit body, or until 256 MiB of them wait: inspecting adds memory.
+    For a larger model, `every` and `modules` measure a sample of the ops.
 
     Args:
       fun: the function to inspect.

@@ -1,12 +1,13 @@
 """The inspector's statistics: the formats, the bits of values, and the measurement of
 values measured together, on device or (constants) with numpy.
 
-The outputs of one body (the program, a loop body, a branch, a ``checkpoint``) that are of one
-size and dtypes are measured together (`_measure`): one scatter counts each value's class by
-its reference's bin (`_Bins`: every count and the histogram), and a few float reductions give
-the extremes and the norms. A body's measurements are a record (`_Batch`); the records of a
-loop's iterations combine (`_combine`), and the records of a program are read into a `Stats`
-per row (`_group_stats`). See the package's docstring for what is measured.
+The outputs of one body (the program, a loop body, a branch, a ``checkpoint``) of one dtype
+and of nearby sizes are measured together, padded with zeros to one size (`_measure`): one
+scatter counts each value's class by its reference's bin (`_Bins`: every count and the
+histogram), and a few float reductions give the extremes and the norms. A body's
+measurements are a record (`_Batch`); the records of a loop's iterations combine
+(`_combine`), and the records of a program are read into a `Stats` per row (`_group_stats`).
+See the package's docstring for what is measured.
 """
 
 from __future__ import annotations
@@ -259,27 +260,48 @@ def _bins(formats: tuple[str, ...], layout: _Layout) -> _Bins:
     )
 
 
-def _subnormal_extremes(x: Any, layout: _Layout, subnormal: Any) -> tuple[Any, Any]:
-    """The bits of the largest and the smallest subnormal magnitude along the last axis (0 and
-    inf: none), reduced as integers only where a row holds some (`subnormal`, their count per
-    row, from the histogram): XLA on CPU compares subnormal floats as zero. `x` is the rows'
-    array itself (a ``lax.cond`` operand computed from it would be stored)."""
+def _subnormal_extremes(
+    xs: tuple[Any, ...], layout: _Layout, subnormal: tuple[Any, ...], one_pass: bool = False
+) -> list[tuple[Any, Any]]:
+    """For each array of `xs` (rows of one shape): the bits of the largest and the smallest
+    subnormal magnitude along the last axis (0 and inf: none). Reduced as integers, only where
+    a row of them holds some (`subnormal`: the count per row of each, from the histogram): XLA
+    on CPU compares subnormal floats as zero. With `one_pass` (rows on one device), in one
+    variadic reduction for all of them (XLA's partitioner would gather sharded rows for it).
+    `xs` are the rows' arrays themselves (a ``lax.cond`` operand computed from them would be
+    stored)."""
     udt = layout.uint_dtype
     inf = np.asarray(layout.inf_bits, udt)
+    zero = np.asarray(0, udt)
     smallest_normal = np.asarray(1 << layout.mantissa_bits, udt)
 
-    def exact(x: Any) -> tuple[Any, Any]:
-        mag, _ = _magnitude(x)
-        below = (mag > 0) & (mag < smallest_normal)
-        lo_max = jnp.max(jnp.where(below, mag, np.asarray(0, udt)), axis=-1)
-        lo_min = jnp.min(jnp.where(below, mag, inf), axis=-1)
-        return lo_max, lo_min
+    def exact(xs: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+        operands = []
+        for x in xs:
+            mag, _ = _magnitude(x)
+            below = (mag > 0) & (mag < smallest_normal)
+            operands += [jnp.where(below, mag, zero), jnp.where(below, mag, inf)]
+        if one_pass:
+            reduced = _variadic(operands, [zero, inf] * len(xs), [lax.max, lax.min] * len(xs))
+        else:
+            kinds = [jnp.max, jnp.min] * len(xs)
+            reduced = tuple(f(x, axis=-1) for x, f in zip(operands, kinds, strict=True))
+        return [(reduced[2 * k], reduced[2 * k + 1]) for k in range(len(xs))]
 
-    def none(x: Any) -> tuple[Any, Any]:
-        rows = x.shape[:-1]
-        return jnp.zeros(rows, udt), jnp.full(rows, inf, udt)
+    def none(xs: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+        return [(jnp.zeros(x.shape[:-1], udt), jnp.full(x.shape[:-1], inf, udt)) for x in xs]
 
-    return lax.cond(jnp.any(subnormal > 0), exact, none, x)
+    held = functools.reduce(jnp.logical_or, [jnp.any(n > 0) for n in subnormal])
+    return lax.cond(held, exact, none, xs)
+
+
+def _variadic(operands: list[Any], inits: list[Any], kinds: list[Any]) -> tuple[Any, ...]:
+    """One reduction of `operands` along their last axis, each with its op of `kinds`."""
+
+    def reducer(a: Any, b: Any) -> Any:
+        return tuple(kind(x, y) for kind, x, y in zip(kinds, a, b, strict=True))
+
+    return tuple(lax.reduce(tuple(operands), tuple(inits), reducer, (1,)))
 
 
 def _join_extremes(hi_max: Any, hi_min: Any, lo: tuple[Any, Any], layout: _Layout) -> Any:
@@ -309,9 +331,8 @@ def _extremes(x: Any, layout: _Layout, subnormal: Any, largest_only: bool = Fals
     zero, infinity = np.asarray(0, fdt), np.asarray(np.inf, fdt)
     hi_max = jnp.max(jnp.where(normal, as_float, zero), axis=-1, initial=zero)
     hi_min = jnp.min(jnp.where(normal, as_float, infinity), axis=-1, initial=infinity)
-    largest, smallest = _join_extremes(
-        hi_max, hi_min, _subnormal_extremes(x, layout, subnormal), layout
-    )
+    (lo,) = _subnormal_extremes((x,), layout, (subnormal,))
+    largest, smallest = _join_extremes(hi_max, hi_min, lo, layout)
     return largest if largest_only else (largest, smallest)
 
 
@@ -335,7 +356,7 @@ _KINDS = 5
 
 
 class _Group(NamedTuple):
-    """The statistics of the rows of one size and dtypes measured together: arrays over them."""
+    """The statistics of rows measured together (one size, after padding): arrays over them."""
 
     maxima: tuple[Any, Any, Any]  # bits: max |x|, min nonzero |x| (inf: none), max |ref|
     hist: Any  # int32[rows, _KINDS * bins]: counts per (class of the value, bin of the ref)
@@ -377,7 +398,7 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
     hist = hist.reshape(rows, _KINDS, bins.size)
     if one_pass and layout == _F32 and r_layout == _F32:
         return _reduce_float32(values, refs, hist, bins)
-    largest, smallest = _extremes(values, layout, hist[:, _SUBNORMAL].sum(axis=-1))
+    largest, smallest = _extremes(values, layout, _kinds(hist)[:, _SUBNORMAL])
     norms: tuple[Any, ...] = ()
     if refs is None:
         ref_max = largest
@@ -439,7 +460,7 @@ def _norm_scale(hist: Any, bins: _Bins) -> tuple[Any, Any]:
     """`_power_of_two` of the largest nonzero finite float32 reference of each row, read from
     its histogram (the highest nonzero bin): references below ``2^(e+1)`` (``4 * 2^e`` where
     clipped at 126), scaling by it exact."""
-    counts = hist.sum(axis=1)
+    counts = _bin_counts(hist)
     positions = jnp.arange(bins.size, dtype=jnp.int32)
     finite_nonzero = (positions >= bins.one) & (positions < bins.inf)
     top = jnp.max(jnp.where((counts > 0) & finite_nonzero, positions, bins.one), axis=-1)
@@ -448,8 +469,9 @@ def _norm_scale(hist: Any, bins: _Bins) -> tuple[Any, Any]:
 
 def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
     """`_measure`'s extremes and norms of float32 rows in one variadic reduction (one pass over
-    the values and the references, where separate reductions take one each); the norms
-    relative to `_norm_scale`'s power of two.
+    the values and the references, where separate reductions take one each), and the
+    subnormal extremes of both in one conditional one; the norms relative to `_norm_scale`'s
+    power of two.
     """
     layout = _F32
     f32 = np.dtype(np.float32)
@@ -459,7 +481,7 @@ def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
     operands = [jnp.where(normal, magnitude, zero), jnp.where(normal, magnitude, infinity)]
     inits = [zero, infinity]
     kinds = [lax.max, lax.min]
-    subnormal = hist[:, _SUBNORMAL].sum(axis=-1)
+    subnormal = _kinds(hist)[:, _SUBNORMAL]
     scale: Any = None
     if refs is not None:
         r_magnitude = jnp.abs(refs)
@@ -474,19 +496,19 @@ def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
         inits += [zero, zero, zero]
         kinds += [lax.max, lax.add, lax.add]
 
-    def reducer(a: Any, b: Any) -> Any:
-        return tuple(kind(x, y) for kind, x, y in zip(kinds, a, b, strict=True))
-
-    reduced = lax.reduce(tuple(operands), tuple(inits), reducer, (1,))
-    largest, smallest = _join_extremes(
-        reduced[0], reduced[1], _subnormal_extremes(values, layout, subnormal), layout
-    )
+    reduced = _variadic(operands, inits, kinds)
+    # The subnormal extremes of the values and of the references in one conditional reduction.
+    xs: tuple[Any, ...] = (values,)
+    counts: tuple[Any, ...] = (subnormal,)
+    if refs is not None:
+        xs, counts = (values, refs), (subnormal, _reference_subnormals(hist, bins, layout))
+    lo = _subnormal_extremes(xs, layout, counts, one_pass=True)
+    largest, smallest = _join_extremes(reduced[0], reduced[1], lo[0], layout)
     norms: tuple[Any, ...] = ()
     if refs is None:
         ref_max = largest
     else:
-        lo = _subnormal_extremes(refs, layout, _reference_subnormals(hist, bins, layout))
-        ref_max, _ = _join_extremes(reduced[2], infinity, lo, layout)
+        ref_max, _ = _join_extremes(reduced[2], infinity, lo[1], layout)
         norms = _norm_pairs(reduced[3:], scale)
     return _Group(
         maxima=(largest, smallest, ref_max), hist=hist.reshape(len(values), -1), norms=norms
@@ -496,7 +518,19 @@ def _reduce_float32(values: Any, refs: Any, hist: Any, bins: _Bins) -> _Group:
 def _reference_subnormals(hist: Any, bins: _Bins, layout: _Layout) -> Any:
     """The subnormal references of each row (their exponent bins of `hist`, every class)."""
     edges = bins.exponent_edges
-    return hist[:, :, edges[0] : edges[_first_normal_bin(layout)]].sum(axis=(1, 2))
+    return _bin_counts(hist)[:, edges[0] : edges[_first_normal_bin(layout)]].sum(axis=-1)
+
+
+def _kinds(hist: Any) -> Any:
+    """The count of each class of values of each row of `hist` (``[rows, _KINDS, bins]``): one
+    reduction that every statistic read from it shares (XLA merges equal expressions)."""
+    return hist.reshape(hist.shape[0], _KINDS, -1).sum(axis=-1)
+
+
+def _bin_counts(hist: Any) -> Any:
+    """The count in each reference bin of each row of `hist` (every class of values), one
+    reduction shared like `_kinds`."""
+    return hist.reshape(hist.shape[0], _KINDS, -1).sum(axis=1)
 
 
 def _first_normal_bin(layout: _Layout) -> int:
