@@ -175,10 +175,9 @@ class _BatchMeta:
 # kept alive until then.
 _PENDING_BYTES = 1 << 28
 # Rows are measured together by size (`_size_groups`): the rows of a shorter size join the
-# group of a longer one, padded with zeros to its size, when that pads at most this many
-# values, or at most a thirty-second of the group's. A group is a dozen kernels for XLA to
-# compile, and a model has hundreds of rows of a few sizes: the main job's step measures
-# 14 groups instead of 25 for 6% more values.
+# group of a longer one, padded with zeros to its size, while the group's padding stays at
+# most this many values or a thirty-second of its own. A group is a dozen kernels for XLA to
+# compile, and a model has hundreds of rows of a few sizes.
 _PAD_VALUES = 1 << 20
 
 
@@ -192,25 +191,28 @@ def _placement(x: Any) -> Any:
     return group
 
 
-def _size_groups(entries: list[_Entry]) -> list[list[_Entry]]:
+def _size_groups(entries: list[_Entry], pad: bool = True) -> list[list[_Entry]]:
     """`entries` in groups measured together: by size, from the longest rows down, the rows
-    of each size joining the group before (padded to its longest) when that pads at most
-    `_PAD_VALUES` values or a thirty-second of the group's."""
+    of each size joining the group before (padded with zeros to its longest) while the
+    group's padding, all sizes together, stays at most `_PAD_VALUES` values or a
+    thirty-second of the group's own values. Without `pad` (sharded rows: zeros would not
+    share their sharding), rows of one size only."""
     by_size: dict[int, list[_Entry]] = {}
     for e in entries:
         by_size.setdefault(int(np.size(e.value)), []).append(e)
     groups: list[list[_Entry]] = []
-    longest = values = 0
+    longest = values = padded = 0
     for size in sorted(by_size, reverse=True):
         members = by_size[size]
         own = size * len(members)
-        padding = (longest - size) * len(members)
-        if groups and padding <= max((values + own) // 32, _PAD_VALUES):
+        padding = padded + (longest - size) * len(members)
+        if pad and groups and padding <= max((values + own) // 32, _PAD_VALUES):
             groups[-1] += members
             values += own
+            padded = padding
         else:
             groups.append(list(members))
-            longest, values = size, own
+            longest, values, padded = size, own, 0
     return groups
 
 
@@ -563,7 +565,7 @@ class _InspectRules(interpret.Rules):
         sized = [
             (ref_dtype, place, members)
             for (_, ref_dtype, place), entries in device_groups.items()
-            for members in _size_groups(entries)
+            for members in _size_groups(entries, pad=all(p is None for p in place))
         ]
         for ref_dtype, place, members in sized:
             refs = None if ref_dtype is None else stacked([e.ref for e in members])
@@ -583,11 +585,12 @@ class _InspectRules(interpret.Rules):
             group = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
             positions.update({id(e): (len(groups), p) for p, e in enumerate(members)})
             groups.append(group)
-        for members in (m for entries in check_groups.values() for m in _size_groups(entries)):
-            nan, inf = stats_lib._nonfinite_counts(stacked([e.value for e in members]))
-            nans.append(nan)
-            infs.append(inf)
-            order += members
+        for (_, place), entries in check_groups.items():
+            for members in _size_groups(entries, pad=place is None):
+                nan, inf = stats_lib._nonfinite_counts(stacked([e.value for e in members]))
+                nans.append(nan)
+                infs.append(inf)
+                order += members
         index = {id(e): i for i, e in enumerate(order)}
         nan = jnp.concatenate(nans) if nans else jnp.zeros((0,), jnp.int32)
         inf = jnp.concatenate(infs) if infs else jnp.zeros((0,), jnp.int32)
