@@ -119,8 +119,10 @@ def row_cost(rounds: int = 15) -> None:
         hist = jnp.zeros(width, jnp.int32)
         return hist.at[index.ravel()].add(1, mode="promise_in_bounds")
 
-    def produce(v, r):  # 8 rows and their references, each from its own op
-        return [(v[i] * jnp.float16(1 + i / 64), r[i] * np.float32(1 + i / 64)) for i in range(8)]
+    def produce(v, r):  # the rows and their references, each from its own op
+        return [
+            (v[i] * jnp.float16(1 + i / 64), r[i] * np.float32(1 + i / 64)) for i in range(rows)
+        ]
 
     def stack(v, r):  # the same rows stacked into their group (float32), as the rows are
         pairs = produce(v, r)

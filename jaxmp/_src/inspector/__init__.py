@@ -27,8 +27,8 @@ How: the outputs of one body (the program, a loop body, a branch, a ``checkpoint
 it ends, then those of one dtype and of nearby sizes are measured together, padded with zeros
 to the longest (`rules._size_groups`, `stats._measure`): one scatter counts each value's class
 by its reference's bin (`stats._Bins`: every count and the histogram), and a few float
-reductions give the extremes and the norms. XLA compiles one set of kernels
-per group instead of one per op. Values that depend on no argument (constants) are computed
+reductions give the extremes and the norms. XLA compiles one set of kernels per group instead
+of one per op. Values that depend on no argument (constants) are computed
 once while tracing and measured then, with numpy (`stats._measure_host`). Where each NaN or inf
 came from is decided from the counts: for each row, whether its inputs held any (the rows
 and checks its inputs are, the constants known while tracing), and the arguments and the

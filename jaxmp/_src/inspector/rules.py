@@ -562,16 +562,16 @@ class _InspectRules(interpret.Rules):
         positions: dict[int, tuple[int, int]] = {}  # row -> (group, position in it)
         order: list[_Entry] = []  # the entries measured on device, in the order of `nan`
         nans, infs = [], []
+        # Rows on one device are padded to nearby sizes and reduced in one pass (a variadic
+        # reduction): XLA's partitioner would gather sharded rows for it.
         sized = [
-            (ref_dtype, place, members)
+            (ref_dtype, one_device, members)
             for (_, ref_dtype, place), entries in device_groups.items()
-            for members in _size_groups(entries, pad=all(p is None for p in place))
+            for one_device in [all(p is None for p in place)]
+            for members in _size_groups(entries, pad=one_device)
         ]
-        for ref_dtype, place, members in sized:
+        for ref_dtype, one_pass, members in sized:
             refs = None if ref_dtype is None else stacked([e.ref for e in members])
-            # One pass (a variadic reduction) where the rows live on one device: XLA's
-            # partitioner would gather sharded rows for it.
-            one_pass = all(p is None for p in place)
             values = stacked([e.value for e in members])
             group = stats_lib._measure(values, refs, self.formats, one_pass=one_pass)
             kinds = stats_lib._kinds(group.hist)
