@@ -983,6 +983,74 @@ def test_rows_on_several_devices_are_those_of_one():
     assert result == {"same": True, "first": ["log", "log"], "devices": 4, "moves": 0}
 
 
+EXPLICIT = """
+import json, jax, jax.numpy as jnp, numpy as np, jaxmp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((2, 2), ("b", "m"), axis_types=(AxisType.Explicit,) * 2)
+
+def f(x, w, v):
+    h = jnp.tanh(x * 1.7) * 3.0  # [8@b, 32@m]: elementwise, the same values as on one device
+    y = h.astype(jnp.float16) * jnp.float16(300.0)  # overflows float16
+    z = jnp.log(h - 2.0)  # NaN
+    u = jnp.exp(v * 40.0) * 1e-30  # [16@b, 4], another sharding; replicated below
+    t = (jnp.sin(w * 1e-3), jnp.cos(w[:4]))  # rows of two sizes and one sharding
+
+    def body(c, _):  # a loop body is traced with its carry's sharding
+        c = jnp.tanh(c * 1.3) * 2.0 + 1e-39
+        return c, (c * 1e5).astype(jnp.float16)
+
+    return z, y, u, t, jax.lax.scan(body, h, None, length=3)
+
+x = jax.random.normal(jax.random.key(0), (8, 32)) * 2
+w = jax.random.normal(jax.random.key(1), (16, 32))
+v = jax.random.normal(jax.random.key(2), (16, 4))
+inspected = jax.jit(jaxmp.inspect(f))
+_, single = inspected(x, w, v)
+with jax.set_mesh(mesh):
+    args = (
+        jax.device_put(x, NamedSharding(mesh, P("b", "m"))),
+        jax.device_put(w, NamedSharding(mesh, P(None, "m"))),
+        jax.device_put(v, NamedSharding(mesh, P("b"))),
+    )
+    _, sharded = inspected(*args)
+    lowered = inspected.lower(*args).compile().as_text()
+    plain = jax.jit(f).lower(*args).compile().as_text()
+
+def fields(r):
+    return [r.primitive, r.shape, r.calls, r.nan, r.inf, r.nonzero, r.flush, r.overflow,
+            r.histogram.tolist(), r.max_abs, r.min_abs, r.underflow, r.ref_max_abs,
+            r.created_nonfinite, r.ref_nonfinite]
+
+moves = ("all-gather(", "collective-permute(", "all-to-all(")
+print(json.dumps({
+    "rows": len(single.rows),
+    "same": [fields(a) for a in single.rows] == [fields(b) for b in sharded.rows],
+    "err": max(
+        abs((a.rel_error or 0.0) - (b.rel_error or 0.0))
+        for a, b in zip(single.rows, sharded.rows)
+    ),
+    "first": [r.first_nonfinite.primitive for r in (single, sharded)],
+    "moves": [sum(text.count(op) for op in moves) for text in (plain, lowered)],
+}))
+"""
+
+
+def test_rows_sharded_over_explicit_mesh_axes_are_those_of_one_device():
+    # `jax.set_mesh` with `Explicit` axes: each device measures its blocks of the rows, and the
+    # blocks' statistics are combined (no value moves between devices).
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, "-c", EXPLICIT], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["rows"] > 15 and result["same"], result
+    assert result["err"] < 1e-6
+    assert result["first"] == ["log", "log"]
+    assert result["moves"] == [0, 0]
+
+
 def test_every_and_modules_sample_the_rows():
     def f(x):
         with jax.named_scope("encoder"):

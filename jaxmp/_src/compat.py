@@ -46,6 +46,7 @@ __all__ = [
     "lowered_primitive_names",
     "name_stack_of",
     "name_stack_parts",
+    "per_shard",
     "missing_internal_names",
     "primitives_in",
     "resolve",
@@ -53,6 +54,7 @@ __all__ = [
     "source_context",
     "user_frames",
     "varying_axes",
+    "vary_like",
 ]
 
 #: Every JAX name jaxmp relies on that is not part of JAX's stable public API: its name here
@@ -402,6 +404,14 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", None) or ())
 
 
+def vary_like(x: Any, like: Any) -> Any:
+    """`x` marked as varying along every mesh axis `like` varies along inside
+    ``jax.shard_map`` (``lax.pcast(..., to="varying")``, jax 0.8 to 0.12): for a constant
+    that must have the type of a value computed from `like` (the branches of a ``cond``)."""
+    axes = varying_axes(like) - varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
 def sharding_group(x: Any) -> Any:
     """A key under which arrays can be combined element by element without moving data.
 
@@ -438,6 +448,43 @@ def explicit_sharding(x: Any) -> Any:
     if not any(t == jax.sharding.AxisType.Explicit for t in _axis_types(x)):
         return None
     return jax.typeof(x).sharding
+
+
+def per_shard(fn: Any, *args: Any) -> Any:
+    """``fn(axes, *args)`` on each device's block of arguments sharded over ``Explicit`` mesh
+    axes (``jax.shard_map``, jax 0.8 to 0.12, over those axes, each argument split as its
+    type says), `axes` the mesh axes they are split over, for `fn` to reduce its outputs
+    over: the outputs must be the same on every device. Without ``Explicit`` axes,
+    ``fn((), *args)``.
+
+    The arguments must share one sharding's mesh; each is read in its own sharding, so no
+    value moves between devices.
+    """
+    leaves = [x for x in jax.tree.leaves(args) if explicit_sharding(x) is not None]
+    if not leaves:
+        return fn((), *args)
+    mesh = jax.typeof(leaves[0]).sharding.mesh
+    explicit = {
+        n
+        for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == jax.sharding.AxisType.Explicit
+    }
+    used: list[str] = []
+    for x in leaves:
+        for entry in jax.typeof(x).sharding.spec:
+            for name in entry if isinstance(entry, tuple) else (entry,):
+                if name is not None and name not in used:
+                    used.append(name)
+    axes = tuple(n for n in mesh.axis_names if n in used)
+    in_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, args)
+    body = jax.shard_map(
+        lambda *a: fn(axes, *a),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=jax.sharding.PartitionSpec(),
+        axis_names=frozenset(explicit),
+    )
+    return body(*args)
 
 
 def reshard(x: Any, sharding: Any) -> Any:

@@ -170,9 +170,13 @@ def literal_value(var: Any) -> Any:
 
 
 def shape_struct(x: Any) -> jax.ShapeDtypeStruct:
-    """`x`'s shape, dtype and weak type, for tracing a function of it."""
-    weak = bool(getattr(jax.typeof(x), "weak_type", False)) if _is_jax_value(x) else False
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
+    """`x`'s shape, dtype and weak type, for tracing a function of it, and its sharding where
+    that is part of its type (``Explicit`` mesh axes)."""
+    if not _is_jax_value(x):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    weak = bool(getattr(jax.typeof(x), "weak_type", False))
+    sharding = compat.explicit_sharding(x)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak, sharding=sharding)
 
 
 def _is_jax_value(x: Any) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -42,6 +43,7 @@ MOVEMENT_OPS: frozenset[str] = autocast_rules.LAYOUT_OPS | {
     "split",
     "sharding_constraint",
     "mesh_cast",
+    "reshard",
 }
 
 # The reference of these outputs is the program's value itself: their parameters pin the
@@ -183,12 +185,21 @@ _PAD_VALUES = 1 << 20
 
 def _placement(x: Any) -> Any:
     """A key equal for values that can be stacked without moving data between devices."""
+    explicit = compat.explicit_sharding(x)
+    if explicit is not None:  # measured on each device's block: any shape
+        return ("explicit", explicit)
     group = compat.sharding_group(x)
     try:
         hash(group)
     except TypeError:
         return str(group)
     return group
+
+
+def _local(placement: Any) -> bool:
+    """Whether values of `placement` are measured where they are (one device, or each
+    device's block of a value sharded over ``Explicit`` axes)."""
+    return placement is None or (isinstance(placement, tuple) and placement[0] == "explicit")
 
 
 def _size_groups(entries: list[_Entry], pad: bool = True) -> list[list[_Entry]]:
@@ -562,21 +573,32 @@ class _InspectRules(interpret.Rules):
         positions: dict[int, tuple[int, int]] = {}  # row -> (group, position in it)
         order: list[_Entry] = []  # the entries measured on device, in the order of `nan`
         nans, infs = [], []
-        # Rows on one device are padded to nearby sizes and reduced in one pass (a variadic
-        # reduction): XLA's partitioner would gather sharded rows for it.
+        # Rows on one device, and rows sharded over `Explicit` mesh axes (measured block by
+        # block on their devices: `compat.per_shard`), are padded to nearby sizes and reduced
+        # in one pass (a variadic reduction). Other sharded rows are not: XLA's partitioner
+        # would gather them for it.
         sized = [
-            (ref_dtype, one_device, members)
+            (ref_dtype, local, members)
             for (_, ref_dtype, place), entries in device_groups.items()
-            for one_device in [all(p is None for p in place)]
-            for members in _size_groups(entries, pad=one_device)
+            for local in [all(_local(p) for p in place)]
+            for members in _size_groups(entries, pad=local)
         ]
-        for ref_dtype, one_pass, members in sized:
-            refs = None if ref_dtype is None else stacked([e.ref for e in members])
-            values = stacked([e.value for e in members])
-            group = stats_lib._measure(values, refs, self.formats, one_pass=one_pass)
+
+        def measure(one_pass: bool, axes: tuple[str, ...], values: list[Any], refs: Any) -> Any:
+            ref = None if refs is None else stacked(refs)
+            group = stats_lib._measure(stacked(values), ref, self.formats, one_pass)
+            group = stats_lib._reduce_over(group, axes)
             kinds = stats_lib._kinds(group.hist)
-            nans.append(kinds[:, stats_lib._NAN])
-            infs.append(kinds[:, stats_lib._INF])
+            return group, kinds[:, stats_lib._NAN], kinds[:, stats_lib._INF]
+
+        for ref_dtype, one_pass, members in sized:
+            group, nan, inf = compat.per_shard(
+                functools.partial(measure, one_pass),
+                [e.value for e in members],
+                None if ref_dtype is None else [e.ref for e in members],
+            )
+            nans.append(nan)
+            infs.append(inf)
             positions.update({id(e): (len(groups), p) for p, e in enumerate(members)})
             groups.append(group)
             order += members
@@ -585,9 +607,14 @@ class _InspectRules(interpret.Rules):
             group = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
             positions.update({id(e): (len(groups), p) for p, e in enumerate(members)})
             groups.append(group)
+
+        def count(axes: tuple[str, ...], values: list[Any]) -> Any:
+            counts = stats_lib._nonfinite_counts(stacked(values))
+            return tuple(lax.psum(c, axes) if axes else c for c in counts)
+
         for (_, place), entries in check_groups.items():
-            for members in _size_groups(entries, pad=place is None):
-                nan, inf = stats_lib._nonfinite_counts(stacked([e.value for e in members]))
+            for members in _size_groups(entries, pad=_local(place)):
+                nan, inf = compat.per_shard(count, [e.value for e in members])
                 nans.append(nan)
                 infs.append(inf)
                 order += members

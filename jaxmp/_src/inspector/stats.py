@@ -24,6 +24,8 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jaxmp._src import compat
+
 DEFAULT_FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 # Binary exponents floor(log2|x|) the histograms count: every nonzero finite float32 value
@@ -289,7 +291,13 @@ def _subnormal_extremes(
         return [(reduced[2 * k], reduced[2 * k + 1]) for k in range(len(xs))]
 
     def none(xs: tuple[Any, ...]) -> list[tuple[Any, Any]]:
-        return [(jnp.zeros(x.shape[:-1], udt), jnp.full(x.shape[:-1], inf, udt)) for x in xs]
+        return [
+            (
+                compat.vary_like(jnp.zeros(x.shape[:-1], udt), x),
+                compat.vary_like(jnp.full(x.shape[:-1], inf, udt), x),
+            )
+            for x in xs
+        ]
 
     held = functools.reduce(jnp.logical_or, [jnp.any(n > 0) for n in subnormal])
     return lax.cond(held, exact, none, xs)
@@ -416,6 +424,24 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
         sums = [jnp.sum(jnp.square(x * inverse[:, None]), axis=-1) for x in (diff, size)]
         norms = _norm_pairs(sums, scale)
     return _Group(maxima=(largest, smallest, ref_max), hist=hist.reshape(rows, width), norms=norms)
+
+
+def _reduce_over(group: _Group, axes: tuple[str, ...]) -> _Group:
+    """The statistics of rows from those of their blocks on the devices along mesh `axes`
+    (inside ``shard_map``): counts summed, extremes over every block, norms combined as in
+    `_scaled_norm_step`. Without `axes`, `group` itself."""
+    if not axes:
+        return group
+    largest, smallest, ref_max = group.maxima
+    maxima = (lax.pmax(largest, axes), lax.pmin(smallest, axes), lax.pmax(ref_max, axes))
+    norms: list[Any] = []
+    for k in range(0, len(group.norms), 2):
+        s, q = group.norms[k : k + 2]
+        top = lax.pmax(s, axes)
+        safe = jnp.where((top > 0) & (top < jnp.inf), top, 1)
+        q = lax.psum(jnp.where(s > 0, q * jnp.square(s / safe), 0), axes)
+        norms += [top, jnp.where(top == jnp.inf, 1, jnp.where(top > 0, q, 0))]
+    return _Group(maxima=maxima, hist=lax.psum(group.hist, axes), norms=tuple(norms))
 
 
 def _error_and_size(values: Any, refs: Any) -> tuple[Any, Any]:
