@@ -20,6 +20,10 @@ inspected step every N steps, a plain one otherwise). Three measurements:
    rows into their group (``--rows-only`` runs only this).
 
 ``--every N`` and ``--modules REGEX`` inspect a sample of the ops (`jaxmp.inspect`'s options).
+``--no-statistics`` is a diagnostic: every group of rows gets one maximum per row instead of
+its statistics (the report's numbers are then meaningless), which measures what the inspected
+step costs before any statistic: the program, its float32 reference and the rows kept for
+measuring.
 
 Run from the repository root::
 
@@ -160,6 +164,22 @@ def row_cost(rounds: int = 15) -> None:
     print(_hlo.table(["program", "ms"], table))
 
 
+def _without_statistics() -> None:
+    """Replaces the statistics of each group of rows by one maximum per row (`--no-statistics`)."""
+
+    def measure(values: Any, refs: Any, formats: Any, one_pass: bool = False) -> Any:
+        mag, layout = inspector_stats._magnitude(values)
+        largest = jnp.max(mag, axis=-1)
+        if refs is not None:
+            largest = jnp.maximum(largest, jnp.max(inspector_stats._magnitude(refs)[0], axis=-1))
+        width = inspector_stats._KINDS * inspector_stats._bins(formats, layout).size
+        hist = jnp.zeros((values.shape[0], width), jnp.int32)
+        norms = () if refs is None else (jnp.zeros(values.shape[:1], jnp.float32),) * 4
+        return inspector_stats._Group(maxima=(largest,) * 3, hist=hist, norms=norms)
+
+    inspector_stats._measure = measure
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="mixed_float16", help="a config of configs/")
@@ -168,7 +188,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows-only", action="store_true", help="only measurement 4")
     parser.add_argument("--every", type=int, default=1, help="inspect one op output in N")
     parser.add_argument("--modules", default=None, help="inspect these modules (a regex)")
+    parser.add_argument(
+        "--no-statistics",
+        action="store_true",
+        help="a diagnostic: one maximum per row instead of the statistics",
+    )
     args = parser.parse_args(argv)
+    if args.no_statistics:
+        _without_statistics()
     if args.rows_only:
         print(_hlo.machine())
         row_cost()
@@ -249,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nTraces of each loss function over {calls} calls of its jitted step: {counts}")
     if counts != dict.fromkeys(names, 1):
         raise SystemExit(f"a jitted step was traced more than once: {counts}")
-    row_cost()
+    if not args.no_statistics:  # the rows' statistics are what it replaced
+        row_cost()
     print(f"\n(total benchmark time {time.perf_counter() - t_start:.0f} s)")
 
 

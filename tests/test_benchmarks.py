@@ -36,6 +36,17 @@ def run_script(script, *args, timeout, **env):
     return proc.stdout
 
 
+@pytest.mark.slow  # half a minute on 2 CPU cores: two compiles of a tiny main-job step each
+@pytest.mark.parametrize("extra", [(), ("--no-statistics",)], ids=["statistics", "none"])
+def test_inspect_cost_quick_runs_and_traces_each_step_once(extra):
+    out = run_script("inspect_cost.py", "--quick", *extra, timeout=600)
+    ratio = re.search(r"^\| inspected \| [\d.]+ +\| (\d+\.\d\d) +\|$", out, re.M)
+    assert ratio and float(ratio.group(1)) > 0, out
+    assert "{'plain': 1, 'inspected': 1}" in out
+    # The rows' own statistics are timed only when the step measured them.
+    assert ("row statistics" in out) == (not extra), out
+
+
 @pytest.mark.slow  # two minutes on 2 CPU cores: every row of the GPU script, compiled
 def test_gpu_benchmark_tiny_runs_on_cpu():
     out = run_script("gpu_benchmark.py", "--tiny", timeout=600)

@@ -1013,8 +1013,9 @@ with jax.set_mesh(mesh):
         jax.device_put(w, NamedSharding(mesh, P(None, "m"))),
         jax.device_put(v, NamedSharding(mesh, P("b"))),
     )
-    _, sharded = inspected(*args)
-    lowered = inspected.lower(*args).compile().as_text()
+    compiled = inspected.lower(*args).compile()
+    _, sharded = compiled(*args)
+    lowered = compiled.as_text()
     plain = jax.jit(f).lower(*args).compile().as_text()
 
 def fields(r):
