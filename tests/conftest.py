@@ -147,13 +147,6 @@ def pytest_configure(config):
             jax.config.update(name.lower(), kind(os.environ[name]))
 
 
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one test process more than the CPU cores (``--maxprocesses`` caps it): a
-    process often waits on a script it started, and the others fill that time."""
-    del config
-    return (os.cpu_count() or 1) + 1
-
-
 def environ_without_compilation_cache() -> dict[str, str]:
     """`os.environ` without the run's compilation cache, for a command whose stderr a test
     checks line by line: jaxlib 0.8 logs a line about the machine's features on stderr for
