@@ -296,6 +296,27 @@ def test_edges_of_each_format():
     assert row.flush["bfloat16"] == 0 and row.overflow["bfloat16"] == 0
 
 
+def test_relative_error_of_a_loop_whose_first_iteration_is_all_zero():
+    # The iterations' norms are combined relative to the largest scale: an iteration with no
+    # nonzero reference (scale 1) must not make a tiny later one underflow to zero.
+    def f(xs):
+        def body(c, x):
+            return c, (x.astype(jnp.bfloat16) * jnp.bfloat16(3.0)).astype(jnp.float32)
+
+        return jax.lax.scan(body, 0.0, xs)[1]
+
+    xs = np.zeros((3, 64), np.float32)
+    xs[1] = np.random.default_rng(0).normal(size=64) * 1e-20
+    ys, report = jax.jit(jaxmp.inspect(f))(xs)
+    out = report.rows[-1]  # the float32 output: its values are `ys`
+    assert (out.primitive, out.dtype, out.calls) == ("convert_element_type", "float32", 3)
+    reference = xs[1].astype(np.float64) * 3.0  # the program in float32: exact here
+    value = np.asarray(ys[1], np.float64)
+    err = np.linalg.norm(value - reference) / np.linalg.norm(reference)
+    assert err > 1e-4
+    np.testing.assert_allclose(out.rel_error, err, rtol=1e-5)
+
+
 def test_relative_error_and_lost_values_against_numpy():
     x = np.concatenate([np.linspace(-3, 3, 101), [1e-9, -3e-8, 2.0**-25]], dtype=np.float64).astype(
         np.float32
@@ -989,7 +1010,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 mesh = jax.make_mesh((2, 2), ("b", "m"), axis_types=(AxisType.Explicit,) * 2)
 
-def f(x, w, v):
+def f(x, w, v, s):
     h = jnp.tanh(x * 1.7) * 3.0  # [8@b, 32@m]: elementwise, the same values as on one device
     y = h.astype(jnp.float16) * jnp.float16(300.0)  # overflows float16
     z = jnp.log(h - 2.0)  # NaN
@@ -1000,18 +1021,27 @@ def f(x, w, v):
         c = jnp.tanh(c * 1.3) * 2.0 + 1e-39
         return c, (c * 1e5).astype(jnp.float16)
 
-    return z, y, u, t, jax.lax.scan(body, h, None, length=3)
+    def over(c, row):  # and with its slices' sharding
+        return c, jnp.sin(row) * 2.0
+
+    # The devices of b=1 hold zeros only, those of b=0 values near 1e-20: the norms of the
+    # blocks combine to those of the whole row.
+    tiny = (s.astype(jnp.bfloat16) * jnp.bfloat16(1.001)).astype(jnp.float32)
+    return z, y, u, t, jax.lax.scan(body, h, None, length=3), jax.lax.scan(over, 0.0, w), tiny
 
 x = jax.random.normal(jax.random.key(0), (8, 32)) * 2
 w = jax.random.normal(jax.random.key(1), (16, 32))
 v = jax.random.normal(jax.random.key(2), (16, 4))
+s = np.zeros((8, 16), np.float32)
+s[:4] = np.random.default_rng(0).normal(size=(4, 16)) * 1e-20
 inspected = jax.jit(jaxmp.inspect(f))
-_, single = inspected(x, w, v)
+_, single = inspected(x, w, v, s)
 with jax.set_mesh(mesh):
     args = (
         jax.device_put(x, NamedSharding(mesh, P("b", "m"))),
         jax.device_put(w, NamedSharding(mesh, P(None, "m"))),
         jax.device_put(v, NamedSharding(mesh, P("b"))),
+        jax.device_put(s, NamedSharding(mesh, P("b"))),
     )
     compiled = inspected.lower(*args).compile()
     _, sharded = compiled(*args)

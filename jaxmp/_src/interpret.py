@@ -169,14 +169,19 @@ def literal_value(var: Any) -> Any:
         return var.val
 
 
-def shape_struct(x: Any) -> jax.ShapeDtypeStruct:
+def shape_struct(x: Any, sliced: bool = False) -> jax.ShapeDtypeStruct:
     """`x`'s shape, dtype and weak type, for tracing a function of it, and its sharding where
-    that is part of its type (``Explicit`` mesh axes)."""
+    that is part of its type (``Explicit`` mesh axes). With `sliced`, those of ``x[i]`` (a
+    loop's slice of `x`)."""
+    shape = np.shape(x)[1:] if sliced else np.shape(x)
     if not _is_jax_value(x):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+        return jax.ShapeDtypeStruct(shape, x.dtype)
     weak = bool(getattr(jax.typeof(x), "weak_type", False))
     sharding = compat.explicit_sharding(x)
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak, sharding=sharding)
+    if sharding is not None and sliced:
+        spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:])
+        sharding = jax.sharding.NamedSharding(sharding.mesh, spec)
+    return jax.ShapeDtypeStruct(shape, x.dtype, weak_type=weak, sharding=sharding)
 
 
 def _is_jax_value(x: Any) -> bool:
@@ -530,10 +535,7 @@ def _scan(interp: Interpreter, eqn: Any, vals: list[Any]) -> list[Any]:
         y_tree, _ = holder[0]
         return [*jax.tree.unflatten(i_tree, carry), *jax.tree.unflatten(y_tree, ys)]
 
-    x_structs = [
-        jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype, weak_type=shape_struct(x).weak_type)
-        for x in x_leaves
-    ]
+    x_structs = [shape_struct(x, sliced=True) for x in x_leaves]
     replay, out_shape = _trace_once(
         body, _clock_struct(), _structs(c_leaves), _structs(i_leaves), x_structs
     )

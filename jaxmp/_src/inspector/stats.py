@@ -344,13 +344,20 @@ def _extremes(x: Any, layout: _Layout, subnormal: Any, largest_only: bool = Fals
     return largest if largest_only else (largest, smallest)
 
 
+def _counted(s: Any, q: Any) -> Any:
+    """The scale `s` of a partial norm ``(s, q)`` where it has a nonzero square, else 0."""
+    return jnp.where(q > 0, s, jnp.zeros_like(s))
+
+
 def _scaled_norm_step(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
     """Combines two partial norms ``(s, q)``, norm ``s * sqrt(q)`` (LAPACK's nrm2 scaling).
 
-    The squares are taken relative to the largest ``|x|`` so far: no overflow, no underflow of
-    the values that matter.
+    The squares are taken relative to the largest scale of a nonzero part: no overflow, no
+    underflow of the values that matter (a part with no nonzero square, whose scale is 1 or 0,
+    is left out: a tiny part must not be taken relative to 1).
     """
     (s1, q1), (s2, q2) = a, b
+    s1, s2 = _counted(s1, q1), _counted(s2, q2)
     s = jnp.maximum(s1, s2)
     safe = jnp.where((s > 0) & (s < jnp.inf), s, 1)
     q = q1 * jnp.square(s1 / safe) + q2 * jnp.square(s2 / safe)
@@ -437,9 +444,10 @@ def _reduce_over(group: _Group, axes: tuple[str, ...]) -> _Group:
     norms: list[Any] = []
     for k in range(0, len(group.norms), 2):
         s, q = group.norms[k : k + 2]
+        s = _counted(s, q)
         top = lax.pmax(s, axes)
         safe = jnp.where((top > 0) & (top < jnp.inf), top, 1)
-        q = lax.psum(jnp.where(s > 0, q * jnp.square(s / safe), 0), axes)
+        q = lax.psum(q * jnp.square(s / safe), axes)
         norms += [top, jnp.where(top == jnp.inf, 1, jnp.where(top > 0, q, 0))]
     return _Group(maxima=maxima, hist=lax.psum(group.hist, axes), norms=tuple(norms))
 
