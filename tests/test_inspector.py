@@ -992,15 +992,20 @@ print(json.dumps({
 """
 
 
+def on_four_devices(script):
+    """The JSON line `script` prints last, run in a process of its own with 4 CPU devices."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def test_rows_on_several_devices_are_those_of_one():
     # Values of different shardings are not stacked together: that would move them between
     # devices (24 all-gathers here). The statistics are the same as on one device.
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SHARDED], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
+    result = on_four_devices(SHARDED)
     assert result == {"same": True, "first": ["log", "log"], "devices": 4, "moves": 0}
 
 
@@ -1069,13 +1074,8 @@ print(json.dumps({
 
 def test_rows_sharded_over_explicit_mesh_axes_are_those_of_one_device():
     # `jax.set_mesh` with `Explicit` axes: each device measures its blocks of the rows, and the
-    # blocks' statistics are combined (no value moves between devices).
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    proc = subprocess.run(
-        [sys.executable, "-c", EXPLICIT], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
+    # blocks' statistics are combined (no value moves between devices for them here).
+    result = on_four_devices(EXPLICIT)
     assert result["rows"] > 15 and result["same"], result
     assert result["err"] < 1e-6
     assert result["first"] == ["log", "log"]
