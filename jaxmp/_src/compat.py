@@ -469,16 +469,15 @@ def per_shard(fn: Any, *args: Any) -> Any:
         for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
         if t == jax.sharding.AxisType.Explicit
     }
-    used: list[str] = []
-    for x in leaves:
-        for entry in jax.typeof(x).sharding.spec:
-            for name in entry if isinstance(entry, tuple) else (entry,):
-                if name is not None and name not in used:
-                    used.append(name)
-    axes = tuple(n for n in mesh.axis_names if n in used)
     in_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, args)
+
+    def blocks(*a: Any) -> Any:
+        # The axes the blocks are split over: those they vary along (`varying_axes`).
+        axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(a)))
+        return fn(tuple(n for n in mesh.axis_names if n in axes), *a)
+
     body = jax.shard_map(
-        lambda *a: fn(axes, *a),
+        blocks,
         mesh=mesh,
         in_specs=in_specs,
         out_specs=jax.sharding.PartitionSpec(),
