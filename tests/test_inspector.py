@@ -1082,6 +1082,72 @@ def test_rows_sharded_over_explicit_mesh_axes_are_those_of_one_device():
     assert result["moves"] == [0, 0]
 
 
+EXPLICIT_STEP = """
+import json, jax, jax.numpy as jnp, numpy as np, optax, jaxmp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((2, 2), ("b", "m"), axis_types=(AxisType.Explicit,) * 2)
+tx = jaxmp.mixed_precision(optax.adam(1e-2), "mixed_float16")
+
+def loss_fn(p, x):
+    h = x.astype(jnp.float16) * p["w"].astype(jnp.float16) + p["b"].astype(jnp.float16)
+    return jnp.mean(jnp.tanh(h).astype(jnp.float32) ** 2)
+
+grad = jaxmp.value_and_grad(loss_fn)
+
+def plain(p, state, x):
+    loss, g = grad(jaxmp.get_loss_scale(state), p, x)
+    updates, state = tx.update(g, state, p)
+    return optax.apply_updates(p, updates), state
+
+def inspected(p, state, x):
+    (loss, g), report = jaxmp.inspect(grad)(jaxmp.get_loss_scale(state), p, x)
+    updates, state = tx.update(g, state, p)
+    return optax.apply_updates(p, updates), state, report
+
+def equal(a, b):
+    return all(
+        np.array_equal(np.asarray(u), np.asarray(v))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+out = []
+with jax.set_mesh(mesh):
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+    params = {"w": put(jax.random.normal(jax.random.key(0), (8, 16)), P("b", "m")),
+              "b": put(jnp.zeros((16,)), P("m"))}
+    state = tx.init(params)
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    for inputs in (x, x.at[0, 0].set(1e6)):  # finite, then a float16 overflow
+        inputs = put(inputs, P("b", "m"))
+        want_p, want_state = jax.jit(plain)(params, state, inputs)
+        got_p, got_state, report = jax.jit(inspected)(params, state, inputs)
+        out.append({
+            "as_plain": equal((got_p, got_state), (want_p, want_state)),
+            "dtypes": all(got_p[k].dtype == params[k].dtype for k in params),
+            "params_kept": equal(got_p, params),
+            "scale": [float(jaxmp.get_loss_scale(s).loss_scale) for s in (state, got_state)],
+            "nonfinite": report.first_nonfinite is not None,
+        })
+print(json.dumps(out))
+"""
+
+
+def test_an_inspected_step_on_explicit_mesh_axes_keeps_the_loss_scaling_guarantees():
+    # As on one device (`test_an_inspected_train_step_keeps_the_loss_scaling_guarantees`):
+    # the same step as the plain one, bit for bit, params in their dtype; the float16
+    # overflow skipped (params as they were, the scale halved) and named in the report.
+    finite, overflow = on_four_devices(EXPLICIT_STEP)
+    assert finite == {
+        "as_plain": True, "dtypes": True, "params_kept": False,
+        "scale": [32768.0, 32768.0], "nonfinite": False,
+    }  # fmt: skip
+    assert overflow == {
+        "as_plain": True, "dtypes": True, "params_kept": True,
+        "scale": [32768.0, 16384.0], "nonfinite": True,
+    }  # fmt: skip
+
+
 def test_every_and_modules_sample_the_rows():
     def f(x):
         with jax.named_scope("encoder"):
