@@ -23,7 +23,9 @@ inspected step every N steps, a plain one otherwise). Three measurements:
 ``--no-statistics`` is a diagnostic: every group of rows gets one maximum per row instead of
 its statistics (the report's numbers are then meaningless), which measures what the inspected
 step costs before any statistic: the program, its float32 reference and the rows kept for
-measuring.
+measuring. ``--no-reference``, a second diagnostic, leaves out the float32 reference (the
+report then has no relative errors); with both, what is left is each op's output kept and
+stacked into its group of rows.
 
 Run from the repository root::
 
@@ -56,6 +58,7 @@ from lm import config as config_lib  # noqa: E402
 from lm import data as data_lib  # noqa: E402
 
 import jaxmp  # noqa: E402
+from jaxmp._src.inspector import api as inspector_api  # noqa: E402
 from jaxmp._src.inspector import stats as inspector_stats  # noqa: E402
 
 TINY = ("num_layers=1", "num_heads=2", "d_model=32", "mlp_ratio=2", "seq_len=16", "batch_size=8")
@@ -180,6 +183,12 @@ def _without_statistics() -> None:
     inspector_stats._measure = measure
 
 
+def _without_reference() -> None:
+    """No float32 reference for any op (`--no-reference`): the inspector's choice for a
+    program that computes only in float32."""
+    inspector_api._computes_in_low_precision = lambda jaxpr: False
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="mixed_float16", help="a config of configs/")
@@ -193,9 +202,16 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="a diagnostic: one maximum per row instead of the statistics",
     )
+    parser.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="a diagnostic: no float32 reference (no relative errors)",
+    )
     args = parser.parse_args(argv)
     if args.no_statistics:
         _without_statistics()
+    if args.no_reference:
+        _without_reference()
     if args.rows_only:
         print(_hlo.machine())
         row_cost()
@@ -238,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         }
     report = outputs["inspected"][2]
     sampled = f", sampled: {report.sampling}" if report.sampling else ""
-    print(f"\nFirst call (the inspected step has {len(report)} rows{sampled})\n")
+    compared = "compared with a float32 reference" if report.reference else "no float32 reference"
+    print(f"\nFirst call (the inspected step has {len(report)} rows, {compared}{sampled})\n")
     table = [
         [
             what,
@@ -276,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nTraces of each loss function over {calls} calls of its jitted step: {counts}")
     if counts != dict.fromkeys(names, 1):
         raise SystemExit(f"a jitted step was traced more than once: {counts}")
+    if args.no_reference and report.reference:
+        raise SystemExit("--no-reference: the inspected step still computed a reference")
     if not args.no_statistics:  # the rows' statistics are what it replaced
         row_cost()
     print(f"\n(total benchmark time {time.perf_counter() - t_start:.0f} s)")

@@ -37,7 +37,11 @@ def run_script(script, *args, timeout, **env):
 
 
 @pytest.mark.slow  # half a minute on 2 CPU cores: two compiles of a tiny main-job step each
-@pytest.mark.parametrize("extra", [(), ("--no-statistics",)], ids=["statistics", "none"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--no-statistics",), ("--no-statistics", "--no-reference")],
+    ids=["statistics", "none", "no-reference"],
+)
 def test_inspect_cost_quick_runs_and_traces_each_step_once(extra):
     out = run_script("inspect_cost.py", "--quick", *extra, timeout=600)
     ratio = re.search(r"^\| inspected \| [\d.]+ +\| (\d+\.\d\d) +\|$", out, re.M)
@@ -45,6 +49,8 @@ def test_inspect_cost_quick_runs_and_traces_each_step_once(extra):
     assert "{'plain': 1, 'inspected': 1}" in out
     # The rows' own statistics are timed only when the step measured them.
     assert ("row statistics" in out) == (not extra), out
+    compared = "no float32 reference" if "--no-reference" in extra else "with a float32 reference"
+    assert compared in out, out
 
 
 @pytest.mark.slow  # two minutes on 2 CPU cores: every row of the GPU script, compiled
