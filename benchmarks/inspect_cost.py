@@ -170,7 +170,9 @@ def row_cost(rounds: int = 15) -> None:
 def _without_statistics() -> None:
     """Replaces the statistics of each group of rows by one maximum per row (`--no-statistics`)."""
 
-    def measure(values: Any, refs: Any, formats: Any, one_pass: bool = False) -> Any:
+    def measure(
+        values: Any, refs: Any, formats: Any, one_pass: bool = False, axes: Any = ()
+    ) -> Any:
         mag, layout = inspector_stats._magnitude(values)
         largest = jnp.max(mag, axis=-1)
         if refs is not None:
@@ -178,7 +180,8 @@ def _without_statistics() -> None:
         width = inspector_stats._KINDS * inspector_stats._bins(formats, layout).size
         hist = jnp.zeros((values.shape[0], width), jnp.int32)
         norms = () if refs is None else (jnp.zeros(values.shape[:1], jnp.float32),) * 4
-        return inspector_stats._Group(maxima=(largest,) * 3, hist=hist, norms=norms)
+        group = inspector_stats._Group(maxima=(largest,) * 3, hist=hist, norms=norms)
+        return inspector_stats._reduce_over(group, axes)
 
     inspector_stats._measure = measure
 

@@ -317,6 +317,32 @@ def test_relative_error_of_a_loop_whose_first_iteration_is_all_zero():
     np.testing.assert_allclose(out.rel_error, err, rtol=1e-5)
 
 
+def test_relative_error_of_a_loop_keeps_an_iteration_far_below_the_largest():
+    # An iteration whose scale is 2^-67 times the largest one's, with an error that dominates
+    # the row's: its squares relative to the largest scale are q * 2^-134, a normal number
+    # when q is large, but (2^-67)^2 alone is subnormal and flushed to zero on CPU.
+    a = np.zeros((2, 64), np.float32)
+    b = np.zeros((2, 64), np.float32)
+    a[0, 0], a[0, 1] = 2.0**64, 1026.0  # exact in bfloat16 but for an error of 2
+    a[1], b[1] = 2.0**20 + 2.0**12 + 0.125, 2.0**20 + 2.0**12  # 0.125 computed as 0 or 2^13
+
+    def sub(x, y):
+        return x.astype(jnp.bfloat16).astype(jnp.float32) - y.astype(jnp.bfloat16).astype(
+            jnp.float32
+        )
+
+    def f(a, b):
+        return jax.lax.scan(lambda c, xy: (c, sub(*xy)), 0.0, (a, b))[1]
+
+    ys, report = jax.jit(jaxmp.inspect(f))(a, b)
+    reference = a.astype(np.float64) - b
+    err = np.linalg.norm(np.asarray(ys, np.float64) - reference) / np.linalg.norm(reference)
+    assert err > 1e-15
+    (row,) = report.find("sub")
+    assert row.calls == 2
+    np.testing.assert_allclose(row.rel_error, err, rtol=1e-5)
+
+
 def test_relative_error_and_lost_values_against_numpy():
     x = np.concatenate([np.linspace(-3, 3, 101), [1e-9, -3e-8, 2.0**-25]], dtype=np.float64).astype(
         np.float32
@@ -1080,6 +1106,116 @@ def test_rows_sharded_over_explicit_mesh_axes_are_those_of_one_device():
     assert result["err"] < 1e-6
     assert result["first"] == ["log", "log"]
     assert result["moves"] == [0, 0]
+
+
+EXPLICIT_EDGES = """
+import json, jax, jax.numpy as jnp, numpy as np, jaxmp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+explicit = jax.make_mesh((2, 2), ("b", "m"), axis_types=(AxisType.Explicit,) * 2)
+mixed = jax.make_mesh((2, 2), ("b", "m"), axis_types=(AxisType.Explicit, AxisType.Auto))
+
+def bf16(v):
+    return v.astype(jnp.bfloat16).astype(jnp.float32)
+
+def norms(x, z, a, c):
+    # Devices of b=0 hold references of 0 beside errors of about 3e19 (their own scale would
+    # overflow the squares); those of b=1 a scale 2^-67 times the row's (their squares
+    # relative to it underflow unless taken as (q * r) * r).
+    return (bf16(x) - x) + z, bf16(a) - bf16(c)
+
+def drawn(x, key, sharded):
+    kw = {"out_sharding": P("b", "m")} if sharded else {}
+    noise = jax.random.normal(key, x.shape, **kw)  # traced under the mesh made `Auto`
+    def scaled(v):
+        return jnp.tanh(v) * 1e-20
+
+    if sharded:
+        scaled = jax.sharding.auto_axes(scaled, out_sharding=P("b", "m"))
+    return x + bf16(noise), scaled(x)
+
+def contracted(x, w, unreduced):
+    if not unreduced:  # summed by the dot (the same sums on the same mesh)
+        return jnp.tanh(jnp.dot(x, w, out_sharding=P("b", None)) * 1e-3)
+    y = jnp.dot(x, w, out_sharding=P("b", None, unreduced={"m"}))  # parts of a sum on m
+    return jnp.tanh(jax.sharding.reshard(y, P("b", None)) * 1e-3)
+
+def constrained(x, mesh):
+    y = jnp.exp(x * 0.3)
+    if mesh is not None:  # the compiler shards it over the `Auto` axis
+        y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, "m")))
+    return jnp.sin(y) * 3.0
+
+x = np.full((8, 16), 1.2345678e22, np.float32)
+z = np.zeros((8, 16), np.float32)
+z[4:] = 1000.0
+a = np.zeros((8, 16), np.float32)
+c = np.zeros((8, 16), np.float32)
+a[0, 0], a[0, 1] = 2.0**64, 1026.0
+a[4:], c[4:] = 2.0**20 + 2.0**12 + 0.125, 2.0**20 + 2.0**12
+u = np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
+key = jax.random.key(2)
+
+def fields(r):
+    return [r.primitive, r.shape, r.calls, r.nan, r.inf, r.nonzero, r.flush, r.overflow,
+            r.histogram.tolist(), r.max_abs, r.min_abs, r.underflow, r.ref_max_abs]
+
+def rel(r):
+    return -1.0 if r.rel_error is None else r.rel_error  # -1: no reference
+
+cases = {
+    "norms": (explicit, norms, norms, (x, z, a, c), [P("b", "m")] * 4),
+    "drawn": (explicit, lambda x, k: drawn(x, k, True), lambda x, k: drawn(x, k, False),
+              (u, key), [P("b", "m"), None]),
+    "unreduced": (explicit, lambda x, w: contracted(x, w, True),
+                  lambda x, w: contracted(x, w, False), (u, u.T * 1e3), [P("b", "m"), P("m")]),
+    "mixed": (mixed, lambda x: constrained(x, mixed), lambda x: constrained(x, None), (u,),
+              [P("b", None)]),
+}
+out = {}
+for name, (mesh, sharded_f, single_f, args, specs) in cases.items():
+    with jax.set_mesh(mesh):
+        put = [v if p is None else jax.device_put(v, NamedSharding(mesh, p))
+               for v, p in zip(args, specs)]
+        _, sharded = jax.jit(jaxmp.inspect(sharded_f))(*put)
+        if name == "unreduced":  # against the same sums made by the dot itself
+            _, single = jax.jit(jaxmp.inspect(single_f))(*put)
+    if name != "unreduced":
+        _, single = jax.jit(jaxmp.inspect(single_f))(*args)
+    out[name] = {
+        "rows": len(single.rows),
+        "same": [fields(r) for r in single.rows] == [fields(r) for r in sharded.rows],
+        "rel": [[rel(r) for r in rep.rows] for rep in (single, sharded)],
+    }
+with jax.set_mesh(explicit):
+    put = [jax.device_put(v, NamedSharding(explicit, P("b", "m"))) for v in (x, z, a, c)]
+    ys, report = jax.jit(jaxmp.inspect(norms))(*put)
+references = (z.astype(np.float64), a.astype(np.float64) - c)
+out["norms"]["numpy"] = [
+    float(np.linalg.norm(np.asarray(y, np.float64) - r) / np.linalg.norm(r))
+    for y, r in zip(ys, references)
+]
+out["norms"]["outputs"] = [
+    [r for r in report.rows if r.primitive == p][-1].rel_error for p in ("add", "sub")
+]
+print(json.dumps(out))
+"""
+
+
+def test_explicit_mesh_axes_edges_are_those_of_one_device():
+    # Norms whose blocks alone would overflow or underflow; values drawn by jax.random with an
+    # `out_sharding` and computed inside `jax.sharding.auto_axes` (typed on the mesh made
+    # `Auto`); a dot whose sum is left in parts on the devices (`unreduced`), measured as the
+    # sum; a value the compiler shards over the `Auto` axis of a mixed mesh.
+    result = on_four_devices(EXPLICIT_EDGES)
+    for name, case in result.items():
+        assert case["rows"] > 1 and case["same"], (name, case)
+        single, sharded = case["rel"]
+        np.testing.assert_allclose(sharded, single, rtol=1e-5, err_msg=name)
+    # Both norm rows' relative errors against numpy's (float64) of the values computed.
+    expected, got = result["norms"]["numpy"], result["norms"]["outputs"]
+    assert min(expected) > 1e-15
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 EXPLICIT_STEP = """

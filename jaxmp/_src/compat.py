@@ -434,9 +434,26 @@ def sharding_group(x: Any) -> Any:
     return id(x)
 
 
+def compiler_sharded(x: Any) -> bool:
+    """Whether the compiler may shard `x` over an axis of its mesh: an ``Auto`` axis of more
+    than one device (the axis types of ``jax.typeof(x).sharding.mesh``, jax 0.8 to 0.12)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    types = getattr(mesh, "axis_types", ()) or ()
+    sizes = getattr(mesh, "axis_sizes", ()) or ()
+    return any(t == jax.sharding.AxisType.Auto and n > 1 for t, n in zip(types, sizes, strict=True))
+
+
 def _axis_types(x: Any) -> tuple[Any, ...]:
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     return tuple(getattr(mesh, "axis_types", ()) or ())
+
+
+def _explicit_context() -> bool:
+    """Whether the context mesh (``jax.set_mesh``) has ``Explicit`` axes
+    (``jax.sharding.get_abstract_mesh``, jax 0.8 to 0.12)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    types = getattr(mesh, "axis_types", ()) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 def explicit_sharding(x: Any) -> Any:
@@ -448,6 +465,20 @@ def explicit_sharding(x: Any) -> Any:
     if not any(t == jax.sharding.AxisType.Explicit for t in _axis_types(x)):
         return None
     return jax.typeof(x).sharding
+
+
+def summed(x: Any) -> Any:
+    """`x` with its unsummed parts summed: a value whose type's partition spec has
+    ``unreduced`` mesh axes (jax 0.8 to 0.12: each device along them holds a part of a sum,
+    e.g. a dot with ``out_sharding=P(..., unreduced={...})``) resharded without them (one
+    all-reduce, as the program's own reshard would do); any other `x` itself."""
+    sharding = explicit_sharding(x)
+    spec: Any = getattr(sharding, "spec", None)
+    if not getattr(spec, "unreduced", None):
+        return x
+    # `spec.partitions` in jax 0.10 to 0.12 (which refuse `*spec` here); 0.8 has none.
+    partitions = spec.partitions if hasattr(spec, "partitions") else tuple(spec)
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*partitions))
 
 
 def per_shard(fn: Any, *args: Any) -> Any:
@@ -462,6 +493,14 @@ def per_shard(fn: Any, *args: Any) -> Any:
     """
     leaves = [x for x in jax.tree.leaves(args) if explicit_sharding(x) is not None]
     if not leaves:
+        if _explicit_context():
+            # Values typed on the context's mesh with its axes made `Auto` (inside `jax.
+            # sharding.auto_axes`, and jax.random's draws with an `out_sharding`): measured
+            # under that mesh, the results replicated on the context's.
+            measure = jax.sharding.auto_axes(
+                lambda *a: fn((), *a), out_sharding=jax.sharding.PartitionSpec()
+            )
+            return measure(*args)
         return fn((), *args)
     mesh = jax.typeof(leaves[0]).sharding.mesh
     explicit = {

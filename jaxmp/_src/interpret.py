@@ -296,7 +296,7 @@ class Interpreter:
             raise RuntimeError("Interpreter.tick needs rules with `emits = True`.")
         value = self._clock + self._ticks if self._ticks else self._clock
         self._ticks += 1
-        return jnp.asarray(value, jnp.int32)
+        return _clock_value(value)
 
     def emit(self, meta: Any, arrays: Any) -> None:
         """Adds a record: `meta` is static (hashable), `arrays` a pytree of arrays."""
@@ -312,7 +312,7 @@ class Interpreter:
         """The clock as an array (None for rules that do not emit)."""
         if self._clock is None:
             return None
-        value = jnp.asarray(self._clock + self._ticks, jnp.int32)
+        value = _clock_value(self._clock + self._ticks)
         self._clock, self._ticks = value, 0
         return value
 
@@ -554,6 +554,12 @@ def _scan(interp: Interpreter, eqn: Any, vals: list[Any]) -> list[Any]:
     metas = [rules.in_loop(m, "scan", detail) for m in metas]
     interp._resume(clock, metas, acc)
     return [*jax.tree.unflatten(i_tree, carry), *jax.tree.unflatten(y_tree, ys)]
+
+
+def _clock_value(value: Any) -> Any:
+    """A clock as an int32 array; a known one as a numpy scalar, typed by no mesh (an equation
+    traced under `jax.sharding.auto_axes` re-binds under that context's mesh)."""
+    return np.int32(value) if isinstance(value, (int, np.integer)) else value.astype(jnp.int32)
 
 
 def _clock_struct() -> jax.ShapeDtypeStruct:

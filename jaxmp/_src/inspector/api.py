@@ -212,13 +212,14 @@ def inspect(
     """Measures every floating-point op of `fun`: range, underflow, overflow and error.
 
     The returned function has `fun`'s signature and returns ``(outputs, report)``: `fun`'s
-    outputs, computed as `fun` computes them, and a `Report` with one row per floating-point
-    op output in program order: the forward pass, and when `fun` is a `jax.grad` or
-    `jax.value_and_grad` function (or `jaxmp.value_and_grad`, `nnx.grad`) the backward pass,
-    which is then part of the program. Rows go through ``jit``, ``scan``, ``while``,
-    ``cond``, ``checkpoint`` and custom derivative rules; ops inside loops have one row
-    aggregated over the iterations. Ops that only move values (reshape, transpose, slice,
-    broadcast, select; `MOVEMENT_OPS`) have no row. Ops that depend on no argument (on
+    outputs, computed by `fun`'s ops (the compiler may fuse or order a sum differently where
+    the statistics read a value too: the last bits can differ), and a `Report` with one row
+    per floating-point op output in program order: the forward pass, and when `fun` is a
+    `jax.grad` or `jax.value_and_grad` function (or `jaxmp.value_and_grad`, `nnx.grad`) the
+    backward pass, which is then part of the program. Rows go through ``jit``, ``scan``,
+    ``while``, ``cond``, ``checkpoint`` and custom derivative rules; ops inside loops have
+    one row aggregated over the iterations. Ops that only move values (reshape, transpose,
+    slice, broadcast, select; `MOVEMENT_OPS`) have no row. Ops that depend on no argument (on
     constants only) are computed once while tracing and measured then, when their output has
     at most 65536 values; a larger one has no row (its NaN and inf still count when a
     measured op reads it, see `Report.nonfinite_sources`).

@@ -186,8 +186,10 @@ _PAD_VALUES = 1 << 20
 def _placement(x: Any) -> Any:
     """A key equal for values that can be stacked without moving data between devices."""
     explicit = compat.explicit_sharding(x)
-    if explicit is not None:  # measured on each device's block: any shape
-        return ("explicit", explicit)
+    if explicit is not None:
+        if compat.compiler_sharded(x):  # beside `Auto` axes: on its own, as on an `Auto` mesh
+            return ("compiler", id(x))
+        return ("explicit", explicit)  # measured on each device's block: any shape
     group = compat.sharding_group(x)
     try:
         hash(group)
@@ -294,6 +296,10 @@ class _InspectRules(interpret.Rules):
             self._pending = saved
 
     def _add(self, entry: _Entry, interp: Any) -> _Entry:
+        # A value held as unsummed parts on the devices is measured as the sum they make.
+        entry.value = compat.summed(entry.value)
+        if entry.ref is not None:
+            entry.ref = compat.summed(entry.ref)
         pending = self._pending
         pending.entries.append(entry)
         for x in (entry.value, entry.ref):
@@ -586,8 +592,7 @@ class _InspectRules(interpret.Rules):
 
         def measure(one_pass: bool, axes: tuple[str, ...], values: list[Any], refs: Any) -> Any:
             ref = None if refs is None else stacked(refs)
-            group = stats_lib._measure(stacked(values), ref, self.formats, one_pass)
-            group = stats_lib._reduce_over(group, axes)
+            group = stats_lib._measure(stacked(values), ref, self.formats, one_pass, axes)
             kinds = stats_lib._kinds(group.hist)
             return group, kinds[:, stats_lib._NAN], kinds[:, stats_lib._INF]
 

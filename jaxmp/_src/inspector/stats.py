@@ -360,9 +360,15 @@ def _scaled_norm_step(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]
     s1, s2 = _counted(s1, q1), _counted(s2, q2)
     s = jnp.maximum(s1, s2)
     safe = jnp.where((s > 0) & (s < jnp.inf), s, 1)
-    q = q1 * jnp.square(s1 / safe) + q2 * jnp.square(s2 / safe)
+    q = _rescaled(q1, s1 / safe) + _rescaled(q2, s2 / safe)
     q = jnp.where(s == jnp.inf, 1, jnp.where(s > 0, q, 0))
     return s, q
+
+
+def _rescaled(q: Any, ratio: Any) -> Any:
+    """``q * ratio^2`` as ``(q * ratio) * ratio``: for a ratio below 2^-63 its square alone is
+    subnormal, flushed to zero on CPU, where the product with a large `q` is a normal number."""
+    return (q * ratio) * ratio
 
 
 # Classes of a value the histograms count it in.
@@ -378,7 +384,13 @@ class _Group(NamedTuple):
     norms: tuple[Any, ...]  # (s, q) of the error and of the reference, or () without one
 
 
-def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = False) -> _Group:
+def _measure(
+    values: Any,
+    refs: Any,
+    formats: tuple[str, ...],
+    one_pass: bool = False,
+    axes: tuple[str, ...] = (),
+) -> _Group:
     """The statistics of each row of `values` (``[rows, n]``; `refs` None: its own reference).
 
     One scatter counts the class of each value (zero, subnormal, normal, inf, NaN) by the bin
@@ -386,6 +398,11 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
     XLA vectorizes: the extremes (`_extremes`) and the sums of squares of the error and of
     the reference, relative to the largest reference value; with `one_pass` (rows on one
     device) and float32 rows, all of them in one variadic reduction (`_reduce_float32`).
+
+    With mesh `axes` (inside ``shard_map``), `values` and `refs` are the blocks of the rows on
+    this device and the statistics are the rows' (`_reduce_over`): the norms are relative to
+    the row's largest reference, as on one device, not to the block's (an error 1e19 times a
+    block's largest reference would overflow).
     """
     mag, layout = _magnitude(values)
     inf = np.asarray(layout.inf_bits, layout.uint_dtype)
@@ -411,8 +428,10 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
     index = kind * bins.size + bin_ + (jnp.arange(rows, dtype=i32) * width)[:, None]
     hist = jnp.zeros(rows * width, i32).at[index.ravel()].add(1, mode="promise_in_bounds")
     hist = hist.reshape(rows, _KINDS, bins.size)
+    if axes:  # the rows' counts, which the norms' scale is read from
+        hist = lax.psum(hist, axes)
     if one_pass and layout == _F32 and r_layout == _F32:
-        return _reduce_float32(values, refs, hist, bins)
+        return _reduce_over(_reduce_float32(values, refs, hist, bins), axes)
     largest, smallest = _extremes(values, layout, _kinds(hist)[:, _SUBNORMAL])
     norms: tuple[Any, ...] = ()
     if refs is None:
@@ -420,6 +439,8 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
     else:
         r_subnormal = _reference_subnormals(hist, bins, r_layout)
         ref_max = _extremes(refs, r_layout, r_subnormal, largest_only=True)
+        if axes:
+            ref_max = lax.pmax(ref_max, axes)
         diff, size = _error_and_size(values, refs)
         # Both relative to a power of two near the largest reference value (`_power_of_two`):
         # no overflow, no underflow that matters (an error 1e19 times the largest value would
@@ -430,13 +451,14 @@ def _measure(values: Any, refs: Any, formats: tuple[str, ...], one_pass: bool = 
         scale, inverse = _power_of_two(exponent, r_layout)
         sums = [jnp.sum(jnp.square(x * inverse[:, None]), axis=-1) for x in (diff, size)]
         norms = _norm_pairs(sums, scale)
-    return _Group(maxima=(largest, smallest, ref_max), hist=hist.reshape(rows, width), norms=norms)
+    group = _Group(maxima=(largest, smallest, ref_max), hist=hist.reshape(rows, width), norms=norms)
+    return _reduce_over(group, axes)
 
 
 def _reduce_over(group: _Group, axes: tuple[str, ...]) -> _Group:
     """The statistics of rows from those of their blocks on the devices along mesh `axes`
-    (inside ``shard_map``): counts summed, extremes over every block, norms combined as in
-    `_scaled_norm_step`. Without `axes`, `group` itself."""
+    (inside ``shard_map``; the counts already summed by `_measure`): extremes over every
+    block, norms combined as in `_scaled_norm_step`. Without `axes`, `group` itself."""
     if not axes:
         return group
     largest, smallest, ref_max = group.maxima
@@ -447,9 +469,9 @@ def _reduce_over(group: _Group, axes: tuple[str, ...]) -> _Group:
         s = _counted(s, q)
         top = lax.pmax(s, axes)
         safe = jnp.where((top > 0) & (top < jnp.inf), top, 1)
-        q = lax.psum(q * jnp.square(s / safe), axes)
+        q = lax.psum(_rescaled(q, s / safe), axes)
         norms += [top, jnp.where(top == jnp.inf, 1, jnp.where(top > 0, q, 0))]
-    return _Group(maxima=maxima, hist=lax.psum(group.hist, axes), norms=tuple(norms))
+    return _Group(maxima=maxima, hist=group.hist, norms=tuple(norms))
 
 
 def _error_and_size(values: Any, refs: Any) -> tuple[Any, Any]:
