@@ -1140,6 +1140,32 @@ def contracted(x, w, unreduced):
     y = jnp.dot(x, w, out_sharding=P("b", None, unreduced={"m"}))  # parts of a sum on m
     return jnp.tanh(jax.sharding.reshard(y, P("b", None)) * 1e-3)
 
+def nested(x, key, sharded):
+    # Typed on the mesh made `Auto` inside loop bodies, loops inside `auto_axes`, and
+    # `auto_axes` over one of the two axes.
+    kw = {"out_sharding": P("b", "m")} if sharded else {}
+
+    def body(c, k):
+        return c, c + bf16(jax.random.uniform(k, c.shape, **kw))
+
+    ys = jax.lax.scan(body, x, jax.random.split(key, 3))[1]
+
+    def looped(v):
+        return jax.lax.scan(lambda c, _: (jnp.sin(c) * 1.5, None), v, None, length=2)[0]
+
+    def half(v):
+        return (v * 3.0 - 1.0) * 1e-20
+
+    if sharded:
+        looped = jax.sharding.auto_axes(looped, out_sharding=P("b", "m"))
+        half = jax.sharding.auto_axes(half, axes="m", out_sharding=P("b", "m"))
+    return ys, looped(x), half(x)
+
+def marked(x, reduced):  # whole on each device, marked `reduced` (for its gradient's sum)
+    if reduced:
+        x = jax.sharding.reshard(x, P(None, None, reduced={"m"}))
+    return jnp.sin(x) * x
+
 def constrained(x, mesh):
     y = jnp.exp(x * 0.3)
     if mesh is not None:  # the compiler shards it over the `Auto` axis
@@ -1167,11 +1193,16 @@ cases = {
     "norms": (explicit, norms, norms, (x, z, a, c), [P("b", "m")] * 4),
     "drawn": (explicit, lambda x, k: drawn(x, k, True), lambda x, k: drawn(x, k, False),
               (u, key), [P("b", "m"), None]),
+    "nested": (explicit, lambda x, k: nested(x, k, True), lambda x, k: nested(x, k, False),
+               (u, key), [P("b", "m"), None]),
     "unreduced": (explicit, lambda x, w: contracted(x, w, True),
                   lambda x, w: contracted(x, w, False), (u, u.T * 1e3), [P("b", "m"), P("m")]),
     "mixed": (mixed, lambda x: constrained(x, mixed), lambda x: constrained(x, None), (u,),
               [P("b", None)]),
 }
+if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10):  # 0.8 aborts compiling it
+    cases["reduced"] = (explicit, lambda x: marked(x, True), lambda x: marked(x, False), (u,),
+                        [P()])
 out = {}
 for name, (mesh, sharded_f, single_f, args, specs) in cases.items():
     with jax.set_mesh(mesh):
@@ -1206,7 +1237,8 @@ def test_explicit_mesh_axes_edges_are_those_of_one_device():
     # Norms whose blocks alone would overflow or underflow; values drawn by jax.random with an
     # `out_sharding` and computed inside `jax.sharding.auto_axes` (typed on the mesh made
     # `Auto`); a dot whose sum is left in parts on the devices (`unreduced`), measured as the
-    # sum; a value the compiler shards over the `Auto` axis of a mixed mesh.
+    # sum; a value marked `reduced`; a value the compiler shards over the `Auto` axis of a
+    # mixed mesh.
     result = on_four_devices(EXPLICIT_EDGES)
     for name, case in result.items():
         assert case["rows"] > 1 and case["same"], (name, case)

@@ -434,18 +434,42 @@ def sharding_group(x: Any) -> Any:
     return id(x)
 
 
-def compiler_sharded(x: Any) -> bool:
-    """Whether the compiler may shard `x` over an axis of its mesh: an ``Auto`` axis of more
-    than one device (the axis types of ``jax.typeof(x).sharding.mesh``, jax 0.8 to 0.12)."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    types = getattr(mesh, "axis_types", ()) or ()
-    sizes = getattr(mesh, "axis_sizes", ()) or ()
-    return any(t == jax.sharding.AxisType.Auto and n > 1 for t, n in zip(types, sizes, strict=True))
-
-
 def _axis_types(x: Any) -> tuple[Any, ...]:
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     return tuple(getattr(mesh, "axis_types", ()) or ())
+
+
+def context_mesh() -> Any:
+    """The context's abstract mesh (``jax.sharding.get_abstract_mesh``, jax 0.8 to 0.12)."""
+    return jax.sharding.get_abstract_mesh()
+
+
+def on_mesh(tree: Any, mesh: Any) -> Any:
+    """The replicated arrays of `tree` typed on `mesh` (a ``reshard`` to ``P()`` under it, as
+    ``jax.sharding.auto_axes`` returns its outputs), where typed on another mesh with the
+    same axes; other leaves as they are."""
+
+    def cast(x: Any) -> Any:
+        own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if own is None or own == mesh or own.axis_names != mesh.axis_names or not own.axis_names:
+            return x
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+
+    return jax.tree.map(cast, tree)
+
+
+@contextlib.contextmanager
+def mesh_of(x: Any) -> Iterator[None]:
+    """Traces under the mesh in the type of `x` (``jax.sharding.use_abstract_mesh``, jax 0.8
+    to 0.12), not the context's: an equation traced under ``jax.sharding.auto_axes``
+    re-binds under its own (``eqn_context``), and values of two meshes do not meet."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None:
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
 
 
 def _explicit_context() -> bool:
@@ -471,10 +495,11 @@ def summed(x: Any) -> Any:
     """`x` with its unsummed parts summed: a value whose type's partition spec has
     ``unreduced`` mesh axes (jax 0.8 to 0.12: each device along them holds a part of a sum,
     e.g. a dot with ``out_sharding=P(..., unreduced={...})``) resharded without them (one
-    all-reduce, as the program's own reshard would do); any other `x` itself."""
+    all-reduce, as the program's own reshard would do); one with ``reduced`` axes (whole
+    on each device, marked for its gradient's sum) without the mark; any other `x` itself."""
     sharding = explicit_sharding(x)
     spec: Any = getattr(sharding, "spec", None)
-    if not getattr(spec, "unreduced", None):
+    if not (getattr(spec, "unreduced", None) or getattr(spec, "reduced", None)):
         return x
     # `spec.partitions` in jax 0.10 to 0.12 (which refuse `*spec` here); 0.8 has none.
     partitions = spec.partitions if hasattr(spec, "partitions") else tuple(spec)
@@ -522,7 +547,14 @@ def per_shard(fn: Any, *args: Any) -> Any:
         out_specs=jax.sharding.PartitionSpec(),
         axis_names=frozenset(explicit),
     )
-    return body(*args)
+    context = context_mesh()
+    if mesh == context:
+        return body(*args)
+    # Values typed on another mesh than the context's (inside `jax.sharding.auto_axes` over
+    # some axes, or `explicit_axes`): measured under theirs, the results typed on the context's.
+    with jax.sharding.use_abstract_mesh(mesh):
+        out = body(*args)
+    return on_mesh(out, context)
 
 
 def reshard(x: Any, sharding: Any) -> Any:

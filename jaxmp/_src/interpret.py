@@ -287,6 +287,7 @@ class Interpreter:
         self._clock: Any = 0 if rules.emits else None
         self._ticks = 0
         self._jit_cache: dict[Any, Any] = {}
+        self._mesh = compat.context_mesh()  # where the records are returned
 
     # -- Records.
 
@@ -294,9 +295,9 @@ class Interpreter:
         """The clock for the next record: its position in the program's execution order."""
         if self._clock is None:
             raise RuntimeError("Interpreter.tick needs rules with `emits = True`.")
-        value = self._clock + self._ticks if self._ticks else self._clock
+        value = _advanced(self._clock, self._ticks)
         self._ticks += 1
-        return _clock_value(value)
+        return value
 
     def emit(self, meta: Any, arrays: Any) -> None:
         """Adds a record: `meta` is static (hashable), `arrays` a pytree of arrays."""
@@ -312,12 +313,14 @@ class Interpreter:
         """The clock as an array (None for rules that do not emit)."""
         if self._clock is None:
             return None
-        value = _clock_value(self._clock + self._ticks)
+        value = _advanced(self._clock, self._ticks)
         self._clock, self._ticks = value, 0
         return value
 
     def _resume(self, clock: Any, metas: Iterable[Any], arrays: Iterable[Any]) -> None:
         """Continues after a traced body: its final clock, and its records re-emitted here."""
+        # A body traced under `jax.sharding.auto_axes` returns them typed on its mesh.
+        clock, arrays = compat.on_mesh((clock, list(arrays)), self._mesh)
         if self._clock is not None:
             self._clock, self._ticks = clock, 0
         for meta, value in zip(metas, arrays, strict=True):
@@ -556,10 +559,14 @@ def _scan(interp: Interpreter, eqn: Any, vals: list[Any]) -> list[Any]:
     return [*jax.tree.unflatten(i_tree, carry), *jax.tree.unflatten(y_tree, ys)]
 
 
-def _clock_value(value: Any) -> Any:
-    """A clock as an int32 array; a known one as a numpy scalar, typed by no mesh (an equation
-    traced under `jax.sharding.auto_axes` re-binds under that context's mesh)."""
-    return np.int32(value) if isinstance(value, (int, np.integer)) else value.astype(jnp.int32)
+def _advanced(clock: Any, ticks: int) -> Any:
+    """`clock` plus `ticks` as an int32: a known one as a numpy scalar, typed by no mesh, a
+    traced one typed as `clock` is (an equation traced under `jax.sharding.auto_axes`
+    re-binds under that mesh, where the clock is not)."""
+    if isinstance(clock, (int, np.integer)):
+        return np.int32(clock + ticks)
+    with compat.mesh_of(clock):
+        return (clock + np.int32(ticks) if ticks else clock).astype(jnp.int32)
 
 
 def _clock_struct() -> jax.ShapeDtypeStruct:

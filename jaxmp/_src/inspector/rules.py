@@ -186,10 +186,8 @@ _PAD_VALUES = 1 << 20
 def _placement(x: Any) -> Any:
     """A key equal for values that can be stacked without moving data between devices."""
     explicit = compat.explicit_sharding(x)
-    if explicit is not None:
-        if compat.compiler_sharded(x):  # beside `Auto` axes: on its own, as on an `Auto` mesh
-            return ("compiler", id(x))
-        return ("explicit", explicit)  # measured on each device's block: any shape
+    if explicit is not None:  # measured on each device's block: any shape
+        return ("explicit", explicit)
     group = compat.sharding_group(x)
     try:
         hash(group)
