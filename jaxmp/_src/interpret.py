@@ -490,7 +490,14 @@ def _remat(interp: Interpreter, eqn: Any, vals: list[Any]) -> list[Any]:
 
 
 def _combine_all(rules: Rules, acc: list[Any], new: list[Any]) -> list[Any]:
-    return [rules.combine(a, b) for a, b in zip(acc, new, strict=True)]
+    # Under the records' own mesh (the context's, `Interpreter._resume`), not the loop's
+    # (a loop traced under `jax.sharding.auto_axes` re-binds under that mesh).
+    out = []
+    for a, b in zip(acc, new, strict=True):
+        traced = [x for x in jax.tree.leaves(a) if not isinstance(x, np.ndarray)]
+        with compat.mesh_of(traced[0]) if traced else contextlib.nullcontext():
+            out.append(rules.combine(a, b))
+    return out
 
 
 @_handles("scan")
@@ -543,11 +550,12 @@ def _scan(interp: Interpreter, eqn: Any, vals: list[Any]) -> list[Any]:
         body, _clock_struct(), _structs(c_leaves), _structs(i_leaves), x_structs
     )
     y_tree, metas = holder[0]
-    acc0 = [rules.empty(s) for s in out_shape[2]]
+    acc0 = compat.on_mesh([rules.empty(s) for s in out_shape[2]], interp._mesh)
 
     def step(state, x):
         carry, acc, clock = state
         carry, ys, arrays, clock = replay(clock, c_leaves, carry, x)
+        arrays = compat.on_mesh(arrays, interp._mesh)
         return (carry, _combine_all(rules, acc, arrays), clock), ys
 
     (carry, acc, clock), ys = lax.scan(
@@ -618,13 +626,16 @@ def _while(interp: Interpreter, eqn: Any, vals: list[Any]) -> list[Any]:
         body_fn, _clock_struct(), _structs(bc_leaves), _structs(i_leaves)
     )
     pred, cond_acc, clock = cond_replay(interp._now(), cc_leaves, i_leaves)
-    body_acc = [rules.empty(s) for s in body_shape[1]]
+    cond_acc = compat.on_mesh(cond_acc, interp._mesh)
+    body_acc = compat.on_mesh([rules.empty(s) for s in body_shape[1]], interp._mesh)
 
     def loop_body(state):
         carry, _, cond_acc, body_acc, clock = state
         carry, arrays, clock = body_replay(clock, bc_leaves, carry)
+        arrays = compat.on_mesh(arrays, interp._mesh)
         body_acc = _combine_all(rules, body_acc, arrays)
         pred, arrays, clock = cond_replay(clock, cc_leaves, carry)
+        arrays = compat.on_mesh(arrays, interp._mesh)
         return carry, pred, _combine_all(rules, cond_acc, arrays), body_acc, clock
 
     carry, _, cond_acc, body_acc, clock = lax.while_loop(
