@@ -461,8 +461,15 @@ def _reduce_over(group: _Group, axes: tuple[str, ...]) -> _Group:
     block, norms combined as in `_scaled_norm_step`. Without `axes`, `group` itself."""
     if not axes:
         return group
+
+    def over(reduce: Any, x: Any) -> Any:
+        # Along the axes `x` still varies along: `_measure` reduced a float64 row's largest
+        # reference already, for the norms' scale.
+        left = tuple(a for a in axes if a in compat.varying_axes(x))
+        return reduce(x, left) if left else x
+
     largest, smallest, ref_max = group.maxima
-    maxima = (lax.pmax(largest, axes), lax.pmin(smallest, axes), lax.pmax(ref_max, axes))
+    maxima = (over(lax.pmax, largest), over(lax.pmin, smallest), over(lax.pmax, ref_max))
     norms: list[Any] = []
     for k in range(0, len(group.norms), 2):
         s, q = group.norms[k : k + 2]
