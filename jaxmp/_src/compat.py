@@ -434,9 +434,14 @@ def sharding_group(x: Any) -> Any:
     return id(x)
 
 
+def _typed_mesh(x: Any) -> Any:
+    """The mesh in the type of `x` (``jax.typeof(x).sharding.mesh``, jax 0.8 to 0.12; an
+    empty one where it has none), or None where its type has no sharding."""
+    return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+
+
 def _axis_types(x: Any) -> tuple[Any, ...]:
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    return tuple(getattr(mesh, "axis_types", ()) or ())
+    return tuple(getattr(_typed_mesh(x), "axis_types", ()) or ())
 
 
 def context_mesh() -> Any:
@@ -450,7 +455,7 @@ def on_mesh(tree: Any, mesh: Any) -> Any:
     same axes; other leaves as they are."""
 
     def cast(x: Any) -> Any:
-        own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        own = _typed_mesh(x)
         if own is None or own == mesh or own.axis_names != mesh.axis_names or not own.axis_names:
             return x
         with jax.sharding.use_abstract_mesh(mesh):
@@ -464,7 +469,7 @@ def mesh_of(x: Any) -> Iterator[None]:
     """Traces under the mesh in the type of `x` (``jax.sharding.use_abstract_mesh``, jax 0.8
     to 0.12), not the context's: an equation traced under ``jax.sharding.auto_axes``
     re-binds under its own (``eqn_context``), and values of two meshes do not meet."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    mesh = _typed_mesh(x)
     if mesh is None:
         yield
         return
@@ -475,8 +480,7 @@ def mesh_of(x: Any) -> Iterator[None]:
 def _explicit_context() -> bool:
     """Whether the context mesh (``jax.set_mesh``) has ``Explicit`` axes
     (``jax.sharding.get_abstract_mesh``, jax 0.8 to 0.12)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    types = getattr(mesh, "axis_types", ()) or ()
+    types = getattr(context_mesh(), "axis_types", ()) or ()
     return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
