@@ -4,7 +4,10 @@
   quantisation: the FP8 product is non-finite where the plain product is, forward and
   backward, for every recipe, so loss scaling skips the step; a delayed amax history never
   records it.
-* MXFP8 is exact for all-zero blocks and never saturates a block's largest value.
+* A finite value at the compute dtype's largest, in an operand or the incoming gradient,
+  gives a finite product and finite gradients with every recipe, under float16 and bfloat16.
+* MXFP8 is exact for all-zero blocks and does not saturate a block's largest value below the
+  compute dtype's largest.
 * A delayed-scaling state is correct under ``jax.vmap`` and refused when one differentiated
   call uses it twice; it is checked against the program it was made for.
 * Differentiating an FP8 matmul's backward pass (Hessians) is a clear error.
@@ -111,6 +114,111 @@ def test_a_non_finite_gradient_gives_non_finite_operand_gradients(recipe):
         history, scale = new_site
         assert np.all(np.isfinite(history)) and np.all(np.isfinite(scale))
         assert float(history[fp8.ROLE_GRAD, -1]) == float(np.abs(c[np.isfinite(c)]).max())
+
+
+# --- 1b. A finite value at the compute dtype's largest stays finite ---------------------------
+
+# The two largest values of each compute dtype, and one below where the formats round up: a
+# block scale of 2**8 takes 64992 to 253.875, which E4M3 rounds to 256 (256 * 2**8 is inf in
+# float16), and 2**-1 takes it to 32496, which E5M2 rounds to 2**15.
+NEAR_MAX = [
+    pytest.param("mixed_float16", 65504.0, id="float16-max"),
+    pytest.param("mixed_float16", 64992.0, id="float16-64992"),
+    pytest.param("mixed_bfloat16", 255 * 2.0**120, id="bfloat16-max"),
+    pytest.param("mixed_bfloat16", 254 * 2.0**120, id="bfloat16-below-max"),
+]
+
+
+def matmul(x, w):
+    return x @ w
+
+
+def _product_and_grads(recipe, policy, x, w, c):
+    """``x @ w`` under `policy` (FP8 with `recipe`, plain with None) and the gradients of
+    ``sum((x @ w) * c)``; a delayed state first takes one step of the same call, so that its
+    scales are those of these operands."""
+    f = jaxmp.autocast(matmul, policy, fp8=recipe)
+
+    def loss(x, w, state):
+        out = call(f, state)(x, w)
+        return jnp.sum(out.astype(jnp.float32) * c), out
+
+    argnums = (0, 1, 2) if recipe is not None and recipe.stateful else (0, 1)
+    run = jax.jit(jax.grad(loss, argnums, has_aux=True))
+    state = init_state(f, x, w) if recipe is not None else None
+    with jax.numpy_dtype_promotion("strict"):
+        if state is not None:
+            (_, _, state), _ = run(x, w, state)
+        grads, out = run(x, w, state)
+    return np.asarray(out, np.float64), [np.asarray(g, np.float64) for g in grads[:2]]
+
+
+def test_near_max_values_are_the_compute_dtypes_largest():
+    assert NEAR_MAX[0].values[1] == float(jnp.finfo(jnp.float16).max)
+    assert NEAR_MAX[2].values[1] == float(jnp.finfo(jnp.bfloat16).max)
+    below = jnp.nextafter(jnp.finfo(jnp.bfloat16).max, jnp.bfloat16(0))
+    assert NEAR_MAX[3].values[1] == float(below)
+
+
+@pytest.mark.parametrize("recipe", ALL, ids=ALL_IDS)
+@pytest.mark.parametrize(("policy", "big"), NEAR_MAX)
+def test_a_finite_operand_at_the_compute_maximum_gives_a_finite_product(recipe, policy, big):
+    # The plain product is `big` itself. FP8 may saturate it (to the largest FP8 value whose
+    # dequantised value is finite in the compute dtype), never round it up to inf.
+    x = jnp.zeros((4, 64), jnp.float32).at[1, 3].set(big)
+    w = jnp.ones((64, 8), jnp.float32)
+    c = jnp.zeros((4, 8), jnp.float32)
+    plain, _ = _product_and_grads(None, policy, x, w, c)
+    out, _ = _product_and_grads(recipe, policy, x, w, c)
+    np.testing.assert_array_equal(plain[1], big)
+    assert np.all(np.isfinite(out)), out[1]
+    np.testing.assert_allclose(out[1], big, rtol=float(jnp.finfo(recipe.fwd_dtype).eps))
+    np.testing.assert_array_equal(np.delete(out, 1, axis=0), 0.0)
+
+
+@pytest.mark.parametrize("recipe", ALL, ids=ALL_IDS)
+@pytest.mark.parametrize(("policy", "big"), NEAR_MAX)
+def test_a_finite_gradient_at_the_compute_maximum_gives_finite_operand_gradients(
+    recipe, policy, big
+):
+    # The incoming gradient is `big` at one entry: each operand's gradient is `big` in one row
+    # (x's) or column (w's), finite in the plain program; E5M2 may saturate it, never round
+    # it up to inf.
+    x = jnp.ones((4, 64), jnp.float32)
+    w = jnp.ones((64, 8), jnp.float32)
+    c = jnp.zeros((4, 8), jnp.float32).at[0, 0].set(big)
+    _, (plain_dx, plain_dw) = _product_and_grads(None, policy, x, w, c)
+    _, (dx, dw) = _product_and_grads(recipe, policy, x, w, c)
+    np.testing.assert_array_equal(plain_dx[0], big)
+    np.testing.assert_array_equal(plain_dw[:, 0], big)
+    assert np.all(np.isfinite(dx)) and np.all(np.isfinite(dw)), (dx[0], dw[:, 0])
+    rtol = float(jnp.finfo(recipe.bwd_dtype).eps)
+    np.testing.assert_allclose(dx[0], big, rtol=rtol)
+    np.testing.assert_allclose(dw[:, 0], big, rtol=rtol)
+    np.testing.assert_array_equal(dx[1:], 0.0)
+    np.testing.assert_array_equal(dw[:, 1:], 0.0)
+
+
+def test_a_block_partial_sum_is_scaled_without_an_intermediate_overflow():
+    # (partial sum, lhs inverse scale, rhs inverse scale): each product is a finite, normal
+    # float32 value that one order of the two multiplications overflows or flushes to zero.
+    cases = [
+        (240.0 * 256.0, 2.0**120, 2.0**-8),  # a bfloat16-max block times ones: 240 * 2**120
+        (2.0**-18, 2.0**120, 2.0**10),  # the scales' product overflows: 2**112
+        (2.0**20, 2.0**-120, 2.0**-20),  # the scales' product is subnormal: 2**-120
+        (0.0, 2.0**120, 2.0**10),  # zero, not 0 * inf
+        (-3.0, 2.0**-100, 2.0**90),  # an ordinary case
+    ]
+    partial, ls, rs = (jnp.asarray(column, jnp.float32) for column in zip(*cases, strict=True))
+    with jax.numpy_dtype_promotion("strict"):
+        scaled = jax.jit(fp8_dot._scale_partial)(partial, ls, rs)
+    expected = [p * a * b for p, a, b in cases]  # exact: powers of two in float64
+    np.testing.assert_array_equal(np.asarray(scaled, np.float64), expected)
+    bad = jnp.asarray([np.inf, -np.inf, np.nan], jnp.float32)
+    ones = jnp.ones(3, jnp.float32)
+    with jax.numpy_dtype_promotion("strict"):
+        kept = jax.jit(fp8_dot._scale_partial)(bad, ones * 2.0**120, ones * 2.0**10)
+    np.testing.assert_array_equal(np.asarray(kept), bad)
 
 
 def _float16_overflow_step(recipe, policy):

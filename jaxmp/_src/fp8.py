@@ -254,12 +254,14 @@ class MXFP8BlockScaling(_Recipe):
     """MXFP8: blocks of 32 values sharing a power-of-two scale (OCP MX specification v1.0).
 
     Every block of `block_size` consecutive values along the contracted dimension shares
-    one scale ``X = 2**e`` stored as an E8M0 exponent, with ``e = floor(log2(amax)) -
-    emax_elem`` (``emax_elem`` = 8 for E4M3, 15 for E5M2) clamped to E8M0's range
-    [-127, 127]; the values are ``v / X`` cast to FP8, saturating at the format's largest
-    finite value (the OCP specification's conversion). Dequantising multiplies by a power
-    of two, which is exact. Operands and gradients are blocked alike. Transformer Engine's
-    ``MXFP8BlockScaling`` recipe.
+    one scale ``X = 2**e`` stored as an E8M0 exponent, ``e`` the smallest with ``amax / X``
+    at most the format's largest value (Transformer Engine's rounding up; the OCP
+    specification's example conversion, ``floor(log2(amax)) - emax_elem``, clips block
+    maxima above ``1.75 * 2**k`` for E4M3), clamped to [-126, 126]; the values are ``v / X``
+    cast to FP8, saturating at the largest FP8 value whose dequantised value is finite in
+    the dtype of the product (a block near float16's largest value would otherwise round up
+    to inf there). Dequantising multiplies by a power of two, which is exact. Operands and
+    gradients are blocked alike. Transformer Engine's ``MXFP8BlockScaling`` recipe.
 
     Attributes:
       block_size: values sharing one scale (32 in the specification).

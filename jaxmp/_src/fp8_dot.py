@@ -149,13 +149,15 @@ def block_dot_general(
     lhs_op: Operand,
     rhs_op: Operand,
     recipe: Any,
+    out_dtype: Any,
 ) -> jax.Array:
-    """The float32 product of `lhs` and `rhs` under a block recipe.
+    """The product of `lhs` and `rhs` under a block recipe, in `out_dtype`.
 
     The contracted dimensions are flattened and cut into blocks, one ``dot_general`` batched
     over the blocks gives each block's float32 partial sum, which is scaled by its two
     inverse scales and summed (DeepSeek-V3's "promotion to CUDA cores"). On Hopper this is
-    an emulation: one small FP8 GEMM per block, not a block-scaled GEMM kernel.
+    an emulation: one small FP8 GEMM per block, not a block-scaled GEMM kernel. Every
+    operand's dequantised values are finite in `out_dtype` (`quantize_blocks`).
     """
     (lc, rc), (lb, rb) = dimension_numbers
     out_shape = (
@@ -169,14 +171,34 @@ def block_dot_general(
     k = math.prod(lhs.shape[d] for d in lc)
     padded_k = -(-k // math.lcm(*tiles)) * math.lcm(*tiles)
     piece = math.gcd(*tiles)
-    lq, ls = _quantize_operand(lhs, lc, lb, lhs_op, recipe, padded_k, piece)
-    rq, rs = _quantize_operand(rhs, rc, rb, rhs_op, recipe, padded_k, piece)
+    out_dtype = jnp.dtype(out_dtype)
+    lq, ls = _quantize_operand(lhs, lc, lb, lhs_op, recipe, padded_k, piece, out_dtype)
+    rq, rs = _quantize_operand(rhs, rc, rb, rhs_op, recipe, padded_k, piece, out_dtype)
     # (b, m, kb, t) x (b, n, kb, t) -> (b, kb, m, n): one float32 partial sum per block.
     partial = lax.dot_general(
         lq, rq, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=jnp.float32
     )
-    scaled = partial * jnp.swapaxes(ls, 1, 2)[:, :, :, None] * jnp.swapaxes(rs, 1, 2)[:, :, None]
-    return jnp.sum(scaled, axis=1).reshape(out_shape)
+    scaled = _scale_partial(
+        partial, jnp.swapaxes(ls, 1, 2)[:, :, :, None], jnp.swapaxes(rs, 1, 2)[:, :, None]
+    )
+    return jnp.sum(scaled, axis=1).reshape(out_shape).astype(out_dtype)
+
+
+def _scale_partial(partial: jax.Array, ls: jax.Array, rs: jax.Array) -> jax.Array:
+    """``partial * ls * rs`` in float32, with no overflow or underflow on the way.
+
+    The two scales are multiplied first: a partial sum times one scale alone overflows
+    float32 where the product is finite (a block near bfloat16's largest value, 255 * 2**120,
+    times a block of ones: 240 * 256 * 2**120 before the other scale's 2**-8). Where the
+    scales' product is itself outside float32's normal range (operands near float32's
+    largest or smallest values), they are applied one at a time: the smaller first when
+    their product is large, the larger first when it is small.
+    """
+    both = ls * rs
+    low, high = jnp.minimum(ls, rs), jnp.maximum(ls, rs)
+    normal = jnp.isfinite(both) & (both >= jnp.finfo(jnp.float32).tiny)
+    apart = jnp.where(both > 1, partial * low * high, partial * high * low)
+    return jnp.where(normal, partial * both, apart)
 
 
 def _quantize_operand(
@@ -187,12 +209,16 @@ def _quantize_operand(
     recipe: Any,
     padded_k: int,
     piece: int,
+    dequant_dtype: Any,
 ) -> tuple[jax.Array, jax.Array]:
-    """`x` as ``(b, f, padded_k // piece, piece)`` FP8 blocks and their inverse scales."""
+    """`x` as ``(b, f, padded_k // piece, piece)`` FP8 blocks and their inverse scales, its
+    dequantised values finite in `dequant_dtype`."""
     x3 = _canonical(x, contract, batch)
     x3 = jnp.pad(x3, ((0, 0), (0, 0), (0, padded_k - x3.shape[2])))
     tile, rows, power_of_two = _block_layout(recipe, op)
-    q, scale_inv = quantize_blocks(x3, op.dtype, tile, rows, power_of_two=power_of_two)
+    q, scale_inv = quantize_blocks(
+        x3, op.dtype, tile, rows, power_of_two=power_of_two, dequant_dtypes=(dequant_dtype,)
+    )
     b, f, kb, t = q.shape
     if t == piece:
         return q, scale_inv
@@ -420,23 +446,27 @@ def _per_tensor_passes(
 def _block_passes(
     dims: Any, recipe: Any, out_dtype: np.dtype, weights: tuple[bool, bool]
 ) -> tuple[Any, Any]:
-    """The forward and backward passes of a block recipe's FP8 ``dot_general``."""
+    """The forward and backward passes of a block recipe's FP8 ``dot_general``.
+
+    Each product quantises its operands so that their dequantised values are finite in the
+    dtype it returns: the forward product's `out_dtype`, each gradient's operand dtype.
+    """
     lhs_op = Operand(recipe.fwd_dtype, weights[0])
     rhs_op = Operand(recipe.fwd_dtype, weights[1])
     g_op = Operand(recipe.bwd_dtype)
 
     def forward(lhs: jax.Array, rhs: jax.Array, site: Any) -> tuple[jax.Array, Any]:
-        out = block_dot_general(lhs, rhs, dims, lhs_op, rhs_op, recipe)
-        return out.astype(out_dtype), (lhs, rhs)
+        out = block_dot_general(lhs, rhs, dims, lhs_op, rhs_op, recipe, out_dtype)
+        return out, (lhs, rhs)
 
     def backward(res: Any, g: jax.Array) -> tuple[Any, Any, Any]:
         lhs, rhs = res
         dims_l, axes_l = transpose_lhs(dims, lhs.ndim, rhs.ndim)
-        d_lhs = block_dot_general(g, rhs, dims_l, g_op, rhs_op, recipe)
-        d_lhs = jnp.transpose(d_lhs, axes_l).astype(lhs.dtype)
+        d_lhs = block_dot_general(g, rhs, dims_l, g_op, rhs_op, recipe, lhs.dtype)
+        d_lhs = jnp.transpose(d_lhs, axes_l)
         dims_r, axes_r = transpose_rhs(dims, lhs.ndim, rhs.ndim)
-        d_rhs = block_dot_general(g, lhs, dims_r, g_op, lhs_op, recipe)
-        d_rhs = jnp.transpose(d_rhs, axes_r).astype(rhs.dtype)
+        d_rhs = block_dot_general(g, lhs, dims_r, g_op, lhs_op, recipe, rhs.dtype)
+        d_rhs = jnp.transpose(d_rhs, axes_r)
         return d_lhs, d_rhs, None
 
     return forward, backward

@@ -136,7 +136,8 @@ def finite_limit(exponent: jax.Array, fp8_dtype: Any, *dequant_dtypes: Any) -> j
     """
     limit = jnp.float32(fp8_max(fp8_dtype))
     for dtype in dequant_dtypes:
-        reach = jnp.ldexp(jnp.float32(jnp.finfo(dtype).max), exponent)  # inf when beyond f32
+        largest = min(float(jnp.finfo(dtype).max), _F32_MAX)  # the limit is float32
+        reach = jnp.ldexp(jnp.float32(largest), exponent)  # inf when beyond f32
         reach = jnp.minimum(reach, jnp.float32(fp8_max(fp8_dtype)))
         nearest = reach.astype(fp8_dtype)
         bits = lax.bitcast_convert_type(nearest, jnp.uint8)
@@ -169,7 +170,7 @@ def pow2_exponent(amax_value: jax.Array, dtype: Any) -> jax.Array:
 def mx_exponent(amax_value: jax.Array, dtype: Any) -> jax.Array:
     """The MX shared exponent: the smallest ``x`` with ``amax / 2**x <= fp8_max``.
 
-    Rounded up, so that a block's largest value never saturates (Transformer Engine's MXFP8
+    Rounded up, so that a block's largest value does not saturate (Transformer Engine's MXFP8
     cast, which rounds the E8M0 scale toward +infinity; the OCP specification's example
     conversion, ``floor(log2(amax)) - emax_elem``, clips block maxima above ``1.75 * 2**k``
     for E4M3). An all-zero block gets 0 (scale 1, exact). Clamped to [-126, 126], where the
@@ -179,7 +180,13 @@ def mx_exponent(amax_value: jax.Array, dtype: Any) -> jax.Array:
 
 
 def quantize_blocks(
-    x: jax.Array, dtype: Any, tile: int, rows: int = 1, *, power_of_two: bool = False
+    x: jax.Array,
+    dtype: Any,
+    tile: int,
+    rows: int = 1,
+    *,
+    power_of_two: bool = False,
+    dequant_dtypes: Sequence[Any] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """Quantises ``x`` of shape ``(b, f, k)`` per block of `rows` x `tile` values of ``(f, k)``.
 
@@ -188,6 +195,14 @@ def quantize_blocks(
     each row of a block carrying the block's inverse scale. With `power_of_two` the scales
     are MX scales (`mx_exponent`), stored as E8M0 and returned as float32. A block's scale
     comes from its finite values; its non-finite values stay non-finite (`quantize`).
+
+    With `power_of_two`, every dequantised value ``q * scale_inv`` of a finite value is
+    finite in float32 and in each of `dequant_dtypes`: a power-of-two scale leaves a block's
+    largest value in the format's top binade, where it may round up past the dtype's largest
+    (float16's 64992 is 253.875 * 2**8, rounded to 256 by E4M3, and 256 * 2**8 is inf), so
+    it saturates at `finite_limit` instead, one limit per block. A float32 scale
+    (``fp8_max / amax``) takes the block's largest value to the format's largest without
+    rounding it up: its dequantised values are the block's own up to float32 rounding.
     """
     b, f, k = x.shape
     kb, fb = -(-k // tile), -(-f // rows)
@@ -201,10 +216,13 @@ def quantize_blocks(
         # The E8M0 scale as stored: 2**exponent, exact for every exponent in its range.
         scale_inv = jnp.ldexp(jnp.float32(1.0), exponent).astype(jnp.float8_e8m0fnu)
         scale_inv = scale_inv.astype(jnp.float32)
+        limit = finite_limit(-exponent, dtype, jnp.float32, *dequant_dtypes)
+        limit = limit[:, :, None, :, None]
     else:
         scale = scale_from_amax(block_amax, dtype)
         scale_inv = 1.0 / scale
-    q = quantize(blocks, scale[:, :, None, :, None], dtype)
+        limit = None
+    q = quantize(blocks, scale[:, :, None, :, None], dtype, limit)
     q = q.reshape(b, fb * rows, kb, tile)[:, :f]
     scale_inv = jnp.repeat(scale_inv, rows, axis=1)[:, :f]
     return q, scale_inv
