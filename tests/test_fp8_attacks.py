@@ -334,17 +334,25 @@ def test_all_zero_blocks_are_exact(recipe):
     x[1, 40:50] = np.arange(1, 11)  # one block with values, the others zero
     w = np.ones((96, 8), np.float32)
     site = fp8.initial_site_state((), recipe.history_len) if recipe.stateful else None
-    out = jax.jit(
-        lambda x, w, site: fp8_dot.fp8_dot_general(x, w, DIMS, recipe, jnp.float32, site=site)
-    )(x, w, site)
+
+    def product(x, w, site):
+        return fp8_dot.fp8_dot_general(x, w, DIMS, recipe, jnp.float32, site=site)
+
+    out = jax.jit(product)(x, w, site)
     assert np.all(np.isfinite(out))
     np.testing.assert_array_equal(np.delete(np.asarray(out), 1, axis=0), 0.0)
     np.testing.assert_allclose(out[1], 55.0, rtol=product_tolerance(E4M3, E4M3))
-    zeros = jax.jit(
-        lambda w: fp8_dot.fp8_dot_general(jnp.zeros((4, 96)), w, DIMS, recipe, jnp.float32)
-    )
-    if not recipe.stateful:
-        np.testing.assert_array_equal(zeros(w), 0.0)
+    # An all-zero operand; with delayed scaling under the initial state (scales of 1) and
+    # under the state the product above leaves (x's scale 2**5, from its amax of 10).
+    sites = [site]
+    if recipe.stateful:
+        next_site = jax.jit(jax.grad(lambda x, w, site: jnp.sum(product(x, w, site)), 2))(
+            x, w, site
+        )
+        assert float(next_site[1][fp8.ROLE_LHS]) == 2.0**5
+        sites.append(next_site)
+    for s in sites:
+        np.testing.assert_array_equal(jax.jit(product)(jnp.zeros((4, 96)), w, s), 0.0)
 
 
 def test_relu_mlp_with_a_zero_initialised_head_trains_in_mxfp8():

@@ -1434,7 +1434,7 @@ def test_inside_a_jitted_train_step_traced_once():
     assert len(traces) == 2  # one trace per jitted function, none per step
     assert isinstance(reports[0], jaxmp.Report)
     maxima = [r.find("dot_general", phase="forward")[0].max_abs for r in reports]
-    assert maxima[0] != maxima[1] != maxima[2]  # each step's own values
+    assert len(set(maxima)) == 3  # each step's own values: no two alike
 
 
 def test_eager_call_compiles_once_per_signature():
@@ -1500,7 +1500,7 @@ def overflow_report():
     return jaxmp.inspect(fn)(*args)[1]
 
 
-def test_json_round_trip_and_table(overflow_report):
+def test_to_json_writes_every_row_and_the_table_lists_the_worst(overflow_report):
     report = overflow_report
     data = json.loads(report.to_json())
     assert data["formats"] == list(FORMATS)
