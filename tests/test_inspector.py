@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -760,6 +761,123 @@ def test_jaxmps_own_ops_point_at_the_users_call_and_rank_last(tmp_path):
     user = [r for r in report.rows if r.phase == "backward" and r.dtype == "float16"]
     user = [r for r in user if not r.library]
     assert suggestion.rows == len(user) and suggestion.max_abs == max(r.ref_max_abs for r in user)
+
+
+def own_loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2) + 2.0
+
+
+def own_step(loss_scale, w, x):
+    value, grads = jaxmp.value_and_grad(own_loss)(loss_scale, w, x)  # CALL step
+    return value, grads
+
+
+def own_scan_body(w, x, loss_scale):
+    value, grads = jaxmp.value_and_grad(own_loss)(loss_scale, w, x)  # CALL scan
+    return w - grads, value
+
+
+def own_call_forms(loss_scale):
+    """``name -> (function of (w, x), the marker of the line its loss scale's ops point at)``:
+    jaxmp.value_and_grad closed over a loss scale, called in the ways a user writes it."""
+    grad = jaxmp.value_and_grad(own_loss)
+    return {
+        "lambda": (lambda w, x: grad(loss_scale, w, x), "CALL lambda"),  # CALL lambda
+        "partial": (functools.partial(grad, loss_scale), "CALL inspect"),
+        "nested jit": (lambda w, x: jax.jit(grad)(loss_scale, w, x), "CALL jit"),  # CALL jit
+        "user's function": (functools.partial(own_step, loss_scale), "CALL step"),
+        "scan": (
+            lambda w, x: lax.scan(
+                lambda c, xi: own_scan_body(c, xi, loss_scale), w, jnp.stack([x, x])
+            ),
+            "CALL scan",
+        ),
+    }
+
+
+@pytest.mark.parametrize("form", list(own_call_forms(1.0)))
+def test_jaxmps_own_ops_are_recognised_however_they_are_called(form, tmp_path):
+    # The loss scale's multiplies (the scaled loss, the backward pass's seed) are jaxmp's
+    # however the user's code reaches jaxmp.value_and_grad: 2^16 overflows float16, but they
+    # are float32 by design. The loss's own ops stay the user's.
+    fun, marker = own_call_forms(jaxmp.DynamicLossScale(2.0**16))[form]
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 4
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    _, report = jaxmp.inspect(fun, "mixed_float16")(w, x)  # CALL inspect
+    scaled = [r for r in report.rows if r.ref_max_abs >= 2.0**15]
+    assert {(r.primitive, r.phase) for r in scaled} == {("mul", "forward"), ("mul", "backward")}
+    assert all(r.library == "jaxmp" and r.overflow["float16"] == 1.0 for r in scaled)
+    assert all((r.file, r.line) == (__file__, fault_line_of(marker)) for r in scaled)
+    users = [r for r in report.rows if r.function == "own_loss"]
+    assert users and all(r.library == "" for r in users)
+    ranked = report.worst(None)
+    own = [r for r in ranked if r.library]
+    assert all(not r.library for r in ranked[: len(ranked) - len(own)])
+    fig = report.plot(tmp_path / "f.png")
+    assert not [t.get_text() for ax in fig.axes for t in ax.texts if "overflow" in t.get_text()]
+
+
+def test_a_full_train_step_reports_no_loss_scale_as_the_users():
+    # jaxmp.mixed_precision's loss scale (its update doubles 2^15 to 2^16, which overflows
+    # float16) and value_and_grad's multiplies are jaxmp's, called from the user's step.
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    opt = jaxmp.mixed_precision(optax.sgd(0.1), "mixed_float16")
+
+    def step(w, state, x):
+        value, grads = jaxmp.value_and_grad(loss)(jaxmp.get_loss_scale(state), w, x)
+        updates, state = opt.update(grads, state, w)
+        return optax.apply_updates(w, updates), state, value
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 4
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    state = opt.init(w)
+    state = state._replace(loss_scale=jaxmp.DynamicLossScale(2.0**15, period=1))
+    _, report = jax.jit(jaxmp.inspect(step))(w, state, x)
+    scale = [r for r in report.rows if r.ref_max_abs >= 2.0**14]
+    assert scale and all(r.library == "jaxmp" for r in scale)
+    assert any(r.overflow["float16"] == 1.0 for r in scale)
+    users = [r for r in report.rows if r.function.endswith("loss")]
+    assert users and all(r.library == "" for r in users)
+    # The dataclass __init__ a loss scale has is no line of the user's.
+    assert all(r.file == __file__ for r in report.rows)
+
+
+def test_autocasts_casts_of_the_outputs_are_jaxmps_under_a_lambda():
+    def f(x):
+        return jnp.tanh(x @ x)
+
+    policy = jaxmp.get_policy("mixed_float16")
+    x = jnp.ones((4, 4))
+    _, report = jaxmp.inspect(lambda x: jaxmp.autocast(f, policy)(x))(x)  # CALL autocast
+    (cast,) = [r for r in report.rows if r.library]
+    assert (cast.primitive, cast.dtype) == ("convert_element_type", "float32")
+    assert (cast.file, cast.line) == (__file__, fault_line_of("CALL autocast"))
+    assert all(r.function.endswith(".f") for r in report.rows if not r.library)
+
+
+def test_jaxmps_machinery_modules_exist():
+    # A module renamed or moved would silently make its ops the user's.
+    own = pathlib.Path(inspector_locations._own_dir())
+    assert [m for m in inspector_locations._MACHINERY if not (own / m).is_file()] == []
+
+
+@pytest.mark.parametrize("form", ["direct", "lambda", "jit"])
+def test_jaxmps_attention_computes_the_users_model(form):
+    # jaxmp code that computes the user's model on its behalf (here the attention) is the
+    # user's: its rows rank and plot with the model's, at the user's line calling it.
+    q = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
+    fun = {
+        "direct": jaxmp.dot_product_attention,
+        "lambda": lambda q: jaxmp.dot_product_attention(q, q, q),  # CALL attention lambda
+        "jit": lambda q: jax.jit(jaxmp.dot_product_attention)(q, q, q),  # CALL attention jit
+    }[form]
+    args = (q, q, q) if form == "direct" else (q,)
+    _, report = jaxmp.inspect(fun)(*args)  # CALL attention direct
+    assert report.find("exp") and all(r.library == "" for r in report.rows)
+    line = fault_line_of(f"CALL attention {form}")
+    assert all((r.file, r.line) == (__file__, line) for r in report.rows)
 
 
 def test_jaxmps_own_code_is_the_whole_package():

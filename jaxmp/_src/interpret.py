@@ -265,7 +265,8 @@ class Location:
         (the equations it is nested in included): kind ``"scope"`` for a `jax.named_scope`
         or a Flax module, ``"transform"`` for ``jvp``, ``transpose``, ``vmap``...
       frames: ``(file, line, function)`` of the user's frames, innermost first (frames in
-        JAX and the Python standard library left out).
+        JAX and the Python standard library left out), through the calls the equation is
+        nested in (a nested ``jit``, a loop body) up to the traced function's caller.
     """
 
     name_stack: tuple[tuple[str, str], ...]
@@ -355,11 +356,14 @@ class Interpreter:
         for outer in self._outer:
             stack += compat.name_stack_parts(outer)
         stack += compat.name_stack_parts(eqn)
+        # A traceback inside a nested jit or loop body ends at the function JAX traced (jax >=
+        # 0.9); the frames that called it are those of the equation it is nested in (an
+        # equation JAX made has none of its own).
         frames = compat.user_frames(eqn, _TRACED)
-        for outer in reversed(self._outer):  # an equation JAX made has the frames of its caller
-            if frames:
+        for outer in reversed(self._outer):
+            if frames and _at_root(frames[-1]):
                 break
-            frames = compat.user_frames(outer, _TRACED)
+            frames += compat.user_frames(outer, _TRACED)
         return Location(tuple(stack), tuple(frames))
 
     # -- Evaluation.
@@ -834,6 +838,11 @@ class TracedCall:
 
 # The function `trace_call` traces: an op's frames end there (see `compat.user_frames`).
 _TRACED = (__file__, "flat_fun")
+
+
+def _at_root(frame: tuple[str, int, str]) -> bool:
+    """Whether `frame` is that of the function `trace_call` traces (the frames' last)."""
+    return frame[0] == _TRACED[0] and frame[2].rsplit(".", 1)[-1] == _TRACED[1]
 
 
 def trace_call(

@@ -60,6 +60,43 @@ def _own_dir() -> str:
     return os.path.join(os.path.realpath(jaxmp_dir), "")
 
 
+# jaxmp's machinery around the user's model: loss scaling, autocast's casts, the optimizer
+# wrappers. Their ops are jaxmp's own (`_Meta.library`) wherever the user's code calls them.
+# jaxmp's other code computes the user's model on its behalf (attention, the casts a user asks
+# for): its ops are the user's. Paths inside the package.
+_MACHINERY = (
+    "_src/autocast.py",
+    "_src/grad.py",
+    "_src/loss_scale.py",
+    "_src/loss_scaling.py",
+    "_src/mixed_precision.py",
+    "_src/master_weights.py",
+    "_src/stochastic_rounding.py",
+    "_src/kahan_summation.py",
+    "_src/compress_state.py",
+    "_src/low_memory.py",
+)
+
+
+@functools.cache
+def _own_module(path: str) -> str | None:
+    """`path` inside jaxmp (``"_src/grad.py"``), or None for a file outside it."""
+    real = os.path.realpath(path)
+    return real[len(_own_dir()) :].replace(os.sep, "/") if real.startswith(_own_dir()) else None
+
+
+def _is_machinery(frames: Sequence[tuple[str, int, str]]) -> bool:
+    """Whether an op of `frames` (innermost first) is made by jaxmp's machinery: one of the
+    libraries' frames inside the user's innermost frame is in a module of `_MACHINERY` (the
+    optimizer a wrapper runs is the wrapper's too)."""
+    for file, _, function in frames:
+        if _is_users_frame(file, function):
+            return False
+        if _own_module(file) in _MACHINERY:
+            return True
+    return False
+
+
 @functools.cache
 def _not_users_dirs() -> tuple[str, ...]:
     """Directories whose frames are never the user's: the libraries', JAX's, Python's."""
@@ -81,6 +118,12 @@ def _is_users_file(path: str) -> bool:
     return not path.startswith("<frozen") and not os.path.realpath(path).startswith(
         _not_users_dirs()
     )
+
+
+def _is_users_frame(path: str, function: str) -> bool:
+    """Whether a frame of an op's traceback is the user's: not a library's, nor the
+    ``__init__`` a dataclass generates (file ``<string>``)."""
+    return not _is_library_file(path) and "__create_fn__" not in function
 
 
 def _caller() -> tuple[str, int, str]:
@@ -147,17 +190,20 @@ def _phase(location: interpret.Location) -> str:
 def _where(location: interpret.Location, caller: tuple[str, int, str]) -> tuple[str, int, str, str]:
     """``(file, line, function, library)`` of an op: the user's innermost frame.
 
-    An op of jaxmp's own code (no frame of the user's: the loss scale's multiply, autocast's
-    casts of the outputs) is marked ``"jaxmp"`` and points at the user's call of the
-    inspected function. Without a frame of the user's, another library's innermost frame.
+    An op of jaxmp's machinery (`_MACHINERY`: the loss scale's multiply, autocast's casts of
+    the outputs) is marked ``"jaxmp"``, however the user's code reaches it (a lambda, a
+    nested jit, a loop body). Without a frame of the user's, an op points at the user's call
+    of the inspected function if jaxmp's code made it, else at another library's innermost
+    frame.
     """
     frames = list(location.frames)
-    user = [f for f in frames if not _is_library_file(f[0])]
+    library = "jaxmp" if _is_machinery(frames) else ""
+    user = [f for f in frames if _is_users_frame(f[0], f[2])]
     if user:
-        return (*user[0], "")
-    if frames and os.path.realpath(frames[0][0]).startswith(_own_dir()):
-        return (*caller, "jaxmp")
-    return (*(frames[0] if frames else ("", 0, "")), "")
+        return (*user[0], library)
+    if not frames or _own_module(frames[0][0]) is not None:
+        return (*caller, library)
+    return (*frames[0], library)
 
 
 def _meta(

@@ -52,12 +52,12 @@ class OpStats:
       phase: ``"forward"``, or ``"backward"`` for an op of a derivative (transposed by
         `jax.grad`, `jax.value_and_grad`, `jax.vjp`).
       file, line, function: the user's code that made the op (for a backward op, the line
-        it differentiates); for an op of jaxmp's own code, the user's call of the inspected
-        function.
-      library: ``"jaxmp"`` for an op of jaxmp's own code that the user's code does not
-        call directly (the loss scale's multiply in `jaxmp.value_and_grad`, autocast's
-        casts of the outputs), else ``""``. Such rows rank after the user's, and the figure
-        and `Report.suggest_loss_scale` leave them out.
+        it differentiates); for an op of jaxmp's code, the user's line calling into jaxmp
+        (the user's call of the inspected function if none).
+      library: ``"jaxmp"`` for an op of jaxmp's machinery around the model (the loss
+        scale's multiply in `jaxmp.value_and_grad`, the optimizer wrappers, autocast's casts
+        of the outputs) however the user's code calls it, else ``""``. Such rows rank after
+        the user's, and the figure and `Report.suggest_loss_scale` leave them out.
       shape, dtype: the output's, as the program computes it.
       output: the output's index among the op's outputs.
       loops: the loops and branches around the op, outermost first (``"scan (8
