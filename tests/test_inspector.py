@@ -697,6 +697,48 @@ def test_a_literal_that_overflows_float16_is_a_nonfinite_source():
     assert "3 backward values were NaN or inf" in str(suggestion)
 
 
+INF16 = np.full((3,), np.inf, np.float16)
+
+
+def zero_row_times_inf(form):
+    """``(function, args, expected source)``: an activation with a zero row times an inf
+    (0 * inf makes the NaN, the inf is the source), the inf in each form it can take."""
+    x = jnp.ones((2, 3)).at[1].set(0.0)
+
+    def h(x):
+        return jnp.tanh(x).astype(jnp.float16)
+
+    if form == "literal":
+        return (lambda x: h(x) * 1e5), (x,), ("constant", "inf", (), 1)
+    if form == "closed-over":
+        return (lambda x: h(x) * INF16), (x,), ("constant", "f16[3]", (3,), 3)
+    if form == "argument":
+        return (lambda x, c: h(x) * c), (x, INF16), ("argument", "args[1]", (3,), 3)
+    assert form == "traced"  # closed over from an enclosing jit: known only on device
+    return (lambda x, c: jaxmp.inspect(lambda x: h(x) * c)(x)), (x, INF16), None
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # JAX's, 1e5
+@pytest.mark.parametrize("form", ["literal", "closed-over", "argument", "traced"])
+def test_an_inf_constant_times_zero_is_a_nonfinite_source(form):
+    fun, args, expected = zero_row_times_inf(form)
+    if expected is None:  # the constant is counted on device, named by its first reader
+        (out, report) = jax.jit(fun)(*args)
+        expected = ("constant", "f16[3]", (3,), 3)
+    else:
+        out, report = jaxmp.inspect(fun)(*args)
+    assert np.isinf(out[0]).all() and np.isnan(out[1]).all()
+    # 0 * inf: the multiply makes the NaN (jax_debug_nans names it); the inf is an input.
+    first = report.first_nonfinite
+    assert (first.primitive, first.created_nonfinite) == ("mul", True)
+    (source,) = report.nonfinite_sources
+    assert (source.kind, source.name, source.shape, source.inf, source.nan) == (*expected, 0)
+    if source.kind == "constant":  # named by its first reader (the multiply, a broadcast)
+        assert (source.file, source.line) == (first.file, first.line)
+    header = report.table().splitlines()[:3]
+    assert f"non-finite inputs: {source}" in header
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_suggest_loss_scale_when_no_backward_value_is_finite():
     def loss(w):

@@ -399,7 +399,8 @@ class Report:
 
         The arguments holding NaN or inf, and the constants that do and that an op read with
         otherwise finite inputs (a ``-jnp.inf`` mask in ``jnp.where``; ``1e5`` rounded to inf
-        in float16): where `first_nonfinite`'s NaN may have started.
+        in float16), also where that op made a NaN of it (``0 * inf``): where
+        `first_nonfinite`'s NaN may have started.
         """
         _, counts = self._host
         out: list[NonfiniteSource] = []

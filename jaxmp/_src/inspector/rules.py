@@ -110,7 +110,7 @@ class _Entry:
     origin: locations._Origin | None = None  # a check counting an argument or a constant
     result: tuple[Any, Any, int] | None = None  # (has NaN, has NaN or inf, index) once measured
     # A constant's row, measured while tracing: its statistics, and whether it made a NaN or
-    # inf, made one from a non-finite constant input, held one.
+    # inf, held one read from (or made out of) a non-finite constant input, held one.
     host: stats_lib._Group | None = None
     made: bool = False
     from_constant: bool = False
@@ -407,7 +407,7 @@ class _InspectRules(interpret.Rules):
             clock=interp.tick(),
             host=group,
             made=made,
-            from_constant=(out_nan or out_inf) and in_bad and not made,
+            from_constant=(out_nan or out_inf) and in_bad,
             held=out_nan or out_inf,
         )
         self._numbered(entry, known)
@@ -678,7 +678,8 @@ class _InspectRules(interpret.Rules):
         bad: Any,
     ) -> tuple[Any, Any, Any]:
         """For the rows measured on device: clocks of making and of holding a NaN or inf, and
-        whether a non-finite constant input made it.
+        whether a non-finite constant input made it hold one: its other inputs were finite
+        (a NaN the row made from the constant, ``0 * inf``, counts: the inf started it).
 
         Whether the inputs of each row held NaN, or NaN or inf, is a gather of the flags of
         the entries its inputs are (of this batch, or of an earlier one).
@@ -732,7 +733,7 @@ class _InspectRules(interpret.Rules):
         clocks = jnp.stack([e.clock for e in rows])
         first = jnp.where(made, clocks, np.int32(stats_lib._NEVER))
         held = jnp.where(out_bad, clocks, np.int32(stats_lib._NEVER))
-        return first, held, out_bad & ~in_bad & known_bad & ~made
+        return first, held, out_bad & ~in_bad & known_bad
 
     # -- Loops and branches.
 
