@@ -7,9 +7,11 @@ and those of the matmul weights alone) and greedy generation's tokens per second
 the median of ``--runs`` runs). The model function is unmodified: `jaxmp.quantized` runs it.
 
 Usage:
-    python examples/train.py --workdir runs/q            # train first (a few minutes on a CPU)
+    python examples/train.py && python examples/serve.py  # train.py's default run (a few minutes)
+    python examples/train.py --workdir runs/q            # or a run directory of your own
     python examples/serve.py --workdir runs/q
     python examples/serve.py --workdir runs/q --recipes int8,fp8 --batch 64 --tokens 32
+    python examples/serve.py --workdir runs/q --step 1400  # an earlier checkpoint of the run
 """
 
 from __future__ import annotations
@@ -33,10 +35,17 @@ import jaxmp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import train  # noqa: E402  (its default run is serve.py's)
 from lm import config as config_lib  # noqa: E402
 from lm import data as data_lib  # noqa: E402
 from lm import model as model_lib  # noqa: E402
-from lm.rundir import checkpoint_steps, restore_checkpoint, show_path  # noqa: E402
+from lm.rundir import (  # noqa: E402
+    UnreadableCheckpoint,
+    checkpoint_steps,
+    restore_checkpoint,
+    show_path,
+    silence_abandoned_reads,
+)
 from lm.steps import get_dataset, make_model, programs, with_precision  # noqa: E402
 
 __all__ = [
@@ -64,23 +73,41 @@ class Row:
     tokens_per_s: float
 
 
-def load_run(workdir: pathlib.Path) -> tuple[config_lib.Config, data_lib.Dataset, Any]:
-    """The run's config, dataset and the params of its latest checkpoint (float32 or its
-    param dtype).
+def default_workdir() -> pathlib.Path:
+    """The run ``python examples/train.py`` writes with no flags."""
+    return train.REPO_ROOT / "runs" / train.DEFAULT_CONFIG
+
+
+def load_run(
+    workdir: pathlib.Path, step: int | None = None
+) -> tuple[config_lib.Config, data_lib.Dataset, Any]:
+    """The run's config, dataset and the params of its checkpoint at `step` (default: the
+    latest), float32 or the run's param dtype. `workdir` may be relative.
 
     Raises:
-      ValueError: naming the directory, when it holds no run or no checkpoint.
+      ValueError: naming the directory, when it holds no run, no checkpoint (at `step`), or
+        one that cannot be read (and the earlier one to serve instead, if it can be).
     """
+    workdir = pathlib.Path(workdir)
+    where = show_path(workdir)
     config_file = workdir / "config.yaml"
     if not config_file.is_file():
+        flag = "" if workdir.resolve() == default_workdir().resolve() else f" --workdir {where}"
         raise ValueError(
-            f"--workdir: {show_path(workdir)} holds no run (no config.yaml); train one with "
-            f"python examples/train.py --workdir {show_path(workdir)}"
+            f"--workdir: {where} holds no run (no config.yaml); train one with "
+            f"python examples/train.py{flag}"
         )
     config = config_lib.load(str(config_file))
     steps = checkpoint_steps(workdir)
     if not steps:
-        raise ValueError(f"--workdir: no checkpoint in {show_path(workdir)}/checkpoints.")
+        raise ValueError(f"--workdir: no checkpoint in {where}/checkpoints.")
+    if step is not None:
+        if step not in steps:
+            raise ValueError(
+                f"--step: no checkpoint at step {step} in {where}/checkpoints; its checkpoints "
+                f"are at steps {', '.join(map(str, steps))}."
+            )
+        steps = [s for s in steps if s <= step]
     dataset = get_dataset(config.val_fraction)
     built = programs(config, dataset.vocab_size)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -88,7 +115,17 @@ def load_run(workdir: pathlib.Path) -> tuple[config_lib.Config, data_lib.Dataset
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         jax.eval_shape(built.init, jax.random.PRNGKey(config.seed)),
     )
-    state = restore_checkpoint(workdir, steps, structs)
+    try:
+        state = restore_checkpoint(workdir, steps, structs)
+    except UnreadableCheckpoint as e:
+        message = f"--workdir: cannot read checkpoint {e.path} ({e.reason})"
+        if e.fallback is not None:
+            message += (
+                f"; the one at step {e.fallback} can be read: serve it with --step {e.fallback}"
+            )
+        elif e.earlier:
+            message += f", nor the one at step {e.earlier[0]}"
+        raise ValueError(message + ".") from None
     return config, dataset, state.params
 
 
@@ -141,9 +178,11 @@ def serve(
     batch: int = 1,
     tokens: int = 32,
     runs: int = 3,
+    step: int | None = None,
 ) -> list[Row]:
-    """The table's rows: bfloat16 first, then each recipe (see the module docs)."""
-    config, dataset, params = load_run(workdir)
+    """The table's rows: bfloat16 first, then each recipe (see the module docs), for the
+    checkpoint at `step` (default: the latest)."""
+    config, dataset, params = load_run(workdir, step)
     if tokens < 1 or tokens >= config.seq_len:
         raise ValueError(
             f"--tokens must be in [1, {config.seq_len - 1}] (the window), got {tokens}."
@@ -217,8 +256,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True, help="a run directory of examples/train.py")
+    parser = _Parser(
+        prog="serve.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workdir",
+        help=f"a run directory of examples/train.py (default runs/{train.DEFAULT_CONFIG}, the run "
+        "train.py writes with no flags)",
+    )
+    parser.add_argument(
+        "--step", type=int, help="serve the checkpoint of this step (default: the latest)"
+    )
     parser.add_argument(
         "--recipes",
         default=",".join(RECIPE_NAMES),
@@ -243,16 +291,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
         if args.batch < 1 or args.runs < 1:
             raise ValueError(f"--batch and --runs must be positive, got {args.batch}, {args.runs}.")
+        if args.step is not None and args.step < 1:
+            raise ValueError(f"--step must be positive, got {args.step}.")
         rows = serve(
-            pathlib.Path(args.workdir),
+            pathlib.Path(args.workdir) if args.workdir else default_workdir(),
             recipes,
             exclude=args.exclude,
             group_size=args.group_size,
             batch=args.batch,
             tokens=args.tokens,
             runs=args.runs,
+            step=args.step,
         )
     except (ValueError, TypeError) as e:
+        silence_abandoned_reads()  # after a checkpoint that could not be read
         parser.fail(str(e).replace("`exclude`", "--exclude"))
     print(format_table(rows))
 

@@ -34,7 +34,6 @@ underflow). This file is the command line; it re-exports their public names.
 from __future__ import annotations
 
 import argparse
-import logging
 import pathlib
 import sys
 import textwrap
@@ -70,6 +69,7 @@ from lm.rundir import (
     remove_run_outputs,
     restore_checkpoint,
     show_path,
+    silence_abandoned_reads,
 )
 from lm.steps import (
     Programs,
@@ -282,10 +282,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             inspect_steps=inspect_steps,
         )
     except RunDirError as e:
-        # A damaged checkpoint leaves orbax's failed reads behind (asyncio tasks, coroutines);
-        # at exit Python would print each as a traceback after the one-line error.
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        sys.unraisablehook = lambda unraisable: None
+        silence_abandoned_reads()
         parser.fail(e)
     except LossScalingError as e:
         parser.fail(e, status=1)

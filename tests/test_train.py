@@ -429,10 +429,11 @@ def cli(finished, tmp_path_factory):
     """Runs every case of `CLI_CASES` (forked from one process that imported train.py)."""
     base = tmp_path_factory.mktemp("cli")
     (base / "bad.yaml").write_text("precision: mixed_float16\nsteps: [1, 2\n")
-    for name in ("refused", "overwrite_bad_set", "corrupt", "compare/mixed_float16"):
+    kept = ("refused", "overwrite_bad_set", "corrupt", "other_shapes")
+    for name in (*kept, "compare/mixed_float16"):
         shutil.copytree(finished.workdir, base / name)
     _truncate_largest_file(base / "corrupt" / "checkpoints" / "24")
-    before = {name: snapshot(base / name) for name in ("refused", "overwrite_bad_set", "corrupt")}
+    before = {name: snapshot(base / name) for name in kept}
     cases = {name: args for name, (args, _) in CLI_CASES.items()}
     (base / "cases.json").write_text(json.dumps(cases))
     out = base / "out"
@@ -530,6 +531,16 @@ CLI_CASES = {
         [
             "--resume: cannot read checkpoint corrupt/checkpoints/24 (",
             "delete it to resume from step 16, or start again with --overwrite.",
+        ],
+    ),
+    # Neither checkpoint reads as a model of another d_model: the files are not at fault, and
+    # deleting the latest (the advice for a damaged one) would lose a good checkpoint.
+    "resume_other_shapes": (
+        ["--workdir", "other_shapes", "--resume", *_set("d_model=64")],
+        [
+            "--resume: cannot read checkpoint other_shapes/checkpoints/24 (",
+            "; nor can the one at step 16: the config may not describe the run's model (a --set "
+            "of its shape?); resume with the run's own config, or start again with --overwrite.",
         ],
     ),
     "compare_refused": (

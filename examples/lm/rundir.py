@@ -4,13 +4,14 @@ A new run needs an empty (or missing) directory, ``--resume`` a readable checkpo
 ``--overwrite`` replaces only the run's own outputs (`RUN_OUTPUTS`); `check_workdir` decides
 before anything is written, and every refusal is a `RunDirError` whose one-line message says
 what to do. Checkpoints are orbax's, in ``checkpoints/``: `checkpoint_steps` lists them and
-`restore_checkpoint` reads the latest, turning a damaged one into a `RunDirError` that names it
-and the checkpoint to fall back to.
+`restore_checkpoint` reads the latest, turning one it cannot read into an `UnreadableCheckpoint`
+that names it and the earlier checkpoint to fall back to (if that one can be read).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import pathlib
 import shutil
 import sys
@@ -41,6 +42,36 @@ class RunDirError(ValueError):
     """
 
 
+class UnreadableCheckpoint(RunDirError):
+    """A checkpoint that cannot be read as the state asked for.
+
+    The message is ``--resume``'s; a command of its own words one from the attributes.
+
+    Attributes:
+      path: the checkpoint's directory, as messages show it.
+      reason: the error, in one short line.
+      earlier: the steps of the run's earlier checkpoints, latest first.
+      fallback: the latest of `earlier` that can be read, or None. When none can while there
+        are some, the files are not the cause (a config that does not describe the run's
+        model, say): deleting the checkpoint would not help.
+    """
+
+    def __init__(self, path: str, reason: str, earlier: Sequence[int], fallback: int | None):
+        self.path, self.reason = path, reason
+        self.earlier, self.fallback = tuple(earlier), fallback
+        if fallback is not None:
+            advice = f"delete it to resume from step {fallback}, or start again with --overwrite."
+        elif earlier:
+            advice = (
+                f"nor can the one at step {self.earlier[0]}: the config may not describe the "
+                "run's model (a --set of its shape?); resume with the run's own config, or "
+                "start again with --overwrite."
+            )
+        else:
+            advice = "there is no earlier one: start again with --overwrite."
+        super().__init__(f"--resume: cannot read checkpoint {path} ({reason}); {advice}")
+
+
 def show_path(path: str | pathlib.Path) -> str:
     """`path` relative to the working directory when it is inside it, for messages."""
     path = pathlib.Path(path).resolve()
@@ -56,7 +87,7 @@ def is_empty(path: pathlib.Path) -> bool:
 
 def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
     """The steps of the complete checkpoints in ``workdir/checkpoints``, ascending."""
-    ckpt_dir = workdir / "checkpoints"
+    ckpt_dir = pathlib.Path(workdir).resolve() / "checkpoints"  # orbax takes absolute paths
     if not ckpt_dir.is_dir():
         return []
     options = ocp.CheckpointManagerOptions(create=False)
@@ -126,31 +157,52 @@ def _short_reason(error: BaseException) -> str:
 def restore_checkpoint(workdir: pathlib.Path, steps: Sequence[int], state: Any) -> TrainState:
     """Restores the latest of `steps` as `state` (arrays or `jax.ShapeDtypeStruct`s) lays out.
 
+    `workdir` may be relative (orbax is given it absolute).
+
     Raises:
-      RunDirError: if the checkpoint cannot be read (truncated or corrupt files), naming it.
+      UnreadableCheckpoint: if the checkpoint cannot be read (truncated or corrupt files, or
+        arrays of other shapes than `state`'s), naming it and whether an earlier one can be.
     """
+    workdir = pathlib.Path(workdir).resolve()
     step = steps[-1]
-    options = ocp.CheckpointManagerOptions(create=False)
     previous_hook = sys.unraisablehook
     sys.unraisablehook = functools.partial(_ignore_abandoned_reads, previous_hook)
     try:
-        with ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
-            restored = manager.restore(step, args=ocp.args.StandardRestore(state))
+        restored = _read(workdir, step, state)
     except Exception as e:  # orbax and tensorstore raise plain Exceptions for damaged files
         # Reads still in flight finish after this error is reported: their reports stay silenced.
         warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
-        path = show_path(workdir / "checkpoints" / str(step))
-        earlier = (
-            f"delete it to resume from step {steps[-2]}, or"
-            if len(steps) > 1
-            else "there is no earlier one:"
-        )
-        raise RunDirError(
-            f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {_short_reason(e)}); "
-            f"{earlier} start again with --overwrite."
+        earlier = sorted(steps[:-1], reverse=True)
+        raise UnreadableCheckpoint(
+            show_path(workdir / "checkpoints" / str(step)),
+            f"{type(e).__name__}: {_short_reason(e)}",
+            earlier,
+            next((s for s in earlier if _readable(workdir, s, state)), None),
         ) from None
     sys.unraisablehook = previous_hook
     return restored
+
+
+def _read(workdir: pathlib.Path, step: int, state: Any) -> Any:
+    options = ocp.CheckpointManagerOptions(create=False)
+    with ocp.CheckpointManager(workdir / "checkpoints", options=options) as manager:
+        return manager.restore(step, args=ocp.args.StandardRestore(state))
+
+
+def _readable(workdir: pathlib.Path, step: int, state: Any) -> bool:
+    try:
+        _read(workdir, step, state)
+    except Exception:  # as in `restore_checkpoint`
+        return False
+    return True
+
+
+def silence_abandoned_reads() -> None:
+    """Before a command exits on an `UnreadableCheckpoint`: orbax's failed reads stay behind
+    (asyncio tasks, coroutines), and at exit Python would print each as a traceback after the
+    one-line error."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None
 
 
 def _ignore_abandoned_reads(previous: Any, unraisable: Any) -> None:
