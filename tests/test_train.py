@@ -397,6 +397,30 @@ def test_resume_after_a_crash_recomputes_the_rows_after_the_checkpoint(finished,
     assert sys.unraisablehook is hook  # a good restore puts the previous hook back
 
 
+def test_a_resume_that_changes_the_config_says_so(finished, tmp_path, capsys):
+    # Extending a finished run is legitimate (--resume --set steps=...); rewriting its
+    # config.yaml in silence is not.
+    workdir = copy_run(finished, tmp_path)
+    config = config_lib.load(str(workdir / "config.yaml"), ["steps=26"])
+    capsys.readouterr()
+    result = run(config, workdir, resume=True)
+    assert result.history[-1]["step"] == 26
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "mixed_float16: extending the run from 24 to 26 steps (config.yaml updated)"
+    ]
+    assert config_lib.load(str(workdir / "config.yaml")) == config
+    # Other keys too, each named; a resume that changes nothing says nothing.
+    changed = config_lib.load(str(workdir / "config.yaml"), ["steps=27", "eval_interval=9"])
+    run(changed, workdir, resume=True)
+    assert capsys.readouterr().out.splitlines() == [
+        "mixed_float16: extending the run from 26 to 27 steps, eval_interval 12 -> 9 "
+        "(config.yaml updated)"
+    ]
+    run(changed, workdir, resume=True)
+    assert capsys.readouterr().out == ""
+
+
 def test_failed_restore_hook_drops_only_closed_loop_reports():
     seen = []
     hook = functools.partial(rundir._ignore_abandoned_reads, seen.append)

@@ -448,6 +448,21 @@ def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def describe_changes(old: Config, new: Config) -> str:
+    """What `new` changes of `old`, for the line a resumed run prints when its config changes
+    (``"extending the run from 1500 to 1600 steps, eval_interval 100 -> 50"``); "" if nothing."""
+    before, after = old.to_dict(), new.to_dict()
+    parts = [
+        f"{key} {_show(before[key])} -> {_show(after[key])}"
+        for key in before
+        if key != "steps" and before[key] != after[key]
+    ]
+    if old.steps != new.steps:
+        verb = "extending" if new.steps > old.steps else "shortening"
+        parts.insert(0, f"{verb} the run from {old.steps} to {new.steps} steps")
+    return ", ".join(parts)
+
+
 def describe_keys() -> str:
     """Every config key with its default (``steps=1500``), for ``--help``."""
     defaults = Config()

@@ -102,6 +102,15 @@ def check_mesh(spec: str) -> None:
         ) from None
 
 
+def _changes_of_the_run(workdir: pathlib.Path, config: config_lib.Config) -> str:
+    """What `config` changes of the config the run in `workdir` was trained with ("" if
+    nothing, or if its ``config.yaml`` cannot be read)."""
+    try:
+        return config_lib.describe_changes(config_lib.load(str(workdir / "config.yaml")), config)
+    except ValueError:
+        return ""
+
+
 def train_and_evaluate(
     config: config_lib.Config,
     workdir: str | pathlib.Path,
@@ -121,6 +130,8 @@ def train_and_evaluate(
         config: the run's config.
         workdir: where metrics, the resolved config, checkpoints and the figure go.
         resume: continue from the latest checkpoint in `workdir` (an error if there is none).
+            If `config` differs from the run's ``config.yaml`` (``--set steps=...`` extends
+            a run), one line says what changed, and ``config.yaml`` takes `config`.
         overwrite: replace the outputs of a run already in `workdir`. They are deleted only
             once the new run has compiled, just before it writes its first output.
         progress: show a tqdm bar.
@@ -206,7 +217,10 @@ def train_and_evaluate(
     if overwrite:
         remove_run_outputs(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    changes = _changes_of_the_run(workdir, config) if resume else ""
     (workdir / "config.yaml").write_text(config_lib.dump(config))
+    if changes:  # legitimate (--resume --set steps=...), but never silent
+        tqdm.write(f"{config.name}: {changes} (config.yaml updated)")
     writer = MetricsWriter(workdir, history)
     manager = ocp.CheckpointManager(
         workdir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
