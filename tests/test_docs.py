@@ -287,6 +287,15 @@ def test_links_to_local_files_resolve():
             assert path.exists(), f"{_name(page)}: link to missing {target}"
 
 
+def test_examples_readme_lists_every_example():
+    # The file table at the top of examples/README.md: a row names each example.
+    text = (ROOT / "examples" / "README.md").read_text()
+    table = text.split("| file | what it shows |", 1)[1].split("\n\n", 1)[0]
+    named = {name for row in table.splitlines() for name in re.findall(r"`([^`]+)`", row[:60])}
+    files = {p.name for p in (ROOT / "examples").glob("*.py")}
+    assert sorted(files - named) == [], "add a row to the file table of examples/README.md"
+
+
 if __name__ == "__main__":
     # `python -m tests.test_docs PAGE`: run one page here (test_page_runs uses it for pages
     # that need simulated devices, which must be set up before jax is imported).

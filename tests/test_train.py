@@ -634,8 +634,13 @@ def test_help_lists_configs_and_keys(capsys):
     ("overrides", "message"),
     [
         (("colour=red",), "unknown config key `colour`; valid keys are: name, precision"),
-        (("precision=f17",), "config key `precision`: Unknown dtype or policy name 'f17'"),
-        (("precision=p=f16,c=int8",), "config key `precision`"),
+        (("precision=f17",), "Unknown dtype or policy name 'f17' in config key `precision`. "
+         "Did you mean 'f16'? Expected a dtype name ('f16', 'float16', 'bf16', "),
+        (("precision=p=f16,c=int8",), "Unknown dtype 'int8' for key 'c' in config key "
+         "`precision` 'p=f16,c=int8'. Valid names are 'f16', "),
+        (("precision=p=f16,x=f32",), "config key `precision` 'p=f16,x=f32' has bad part 'x=f32': "
+         "keys must be one of 'p', 'params', 'c', 'compute', 'o', 'output'."),
+        (("precision=",), "config key `precision` is empty; expected a dtype name"),
         (("loss_scale=sometimes",), "`loss_scale` must be one of auto, dynamic, static, none"),
         (("steps=-1",), "config key `steps` must be > 0, got -1"),
         (("steps=ten",), "config key `steps` must be int, got 'ten'"),
@@ -664,6 +669,7 @@ def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ValueError) as excinfo:
         config_lib.load("mixed_float16", overrides)
     assert message in str(excinfo.value)
+    assert "policy_name" not in str(excinfo.value)  # jaxmp.get_policy's argument, not a key
 
 
 def test_config_file_errors(tmp_path):

@@ -135,7 +135,9 @@ class Config:
         try:
             jaxmp.get_policy(self.precision)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"config key `precision`: {e}") from None
+            # jaxmp's message names get_policy's argument, with the choices and a guess: here
+            # it is the config key the user wrote (in the file or with --set).
+            raise ValueError(str(e).replace("`policy_name`", "config key `precision`")) from None
         if self.loss_scale not in LOSS_SCALE_KINDS:
             raise ValueError(
                 f"config key `loss_scale` must be one of {', '.join(LOSS_SCALE_KINDS)}, "
