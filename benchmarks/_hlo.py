@@ -319,13 +319,18 @@ def quantized_gemms(text: str) -> list[dict[str, Any]]:
     """The ``dot_general``s of a lowered program whose two operands are both int8 or both FP8
     (``int8 x int8 -> int32``, ``E4M3 x E4M3 -> float32``): ``operands`` and ``result`` types."""
     found = []
-    for values in _functions(text):
-        for op, _, rest in values.values():
-            if op != "dot_general" or " : " not in rest:
-                continue
-            types = _tensor_types(rest.split(" : ", 1)[1])
-            if len(types) >= 3 and all(t[1] in _LOW_PRECISION_TYPES for t in types[:2]):
-                found.append({"operands": (types[0][1], types[1][1]), "result": types[-1][1]})
+    # Line by line: values in the regions of a `stablehlo.case` (`lax.platform_dependent`,
+    # one per quantised matmul) reuse their names, which a table by name would merge.
+    for line in text.splitlines():
+        match = _SSA.match(line)
+        if not match:
+            continue
+        _, op, rest = match.groups()
+        if op != "dot_general" or " : " not in rest:
+            continue
+        types = _tensor_types(rest.split(" : ", 1)[1])
+        if len(types) >= 3 and all(t[1] in _LOW_PRECISION_TYPES for t in types[:2]):
+            found.append({"operands": (types[0][1], types[1][1]), "result": types[-1][1]})
     return found
 
 

@@ -41,17 +41,15 @@ from jaxmp._src.loss_scaling import LossScalingState, loss_scaling
 from jaxmp._src.master_weights import MasterWeightsState, master_weights
 from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
 from jaxmp._src.policy import Policy, get_policy
-from jaxmp._src.quantize import (
+from jaxmp._src.quantization.plan import QuantizedLeaf, quantization_plan, quantize
+from jaxmp._src.quantization.recipes import (
     Float8Rowwise,
     Int4WeightOnly,
     Int8DynamicActivations,
     Int8WeightOnly,
     QuantizedArray,
-    QuantizedLeaf,
-    quantization_plan,
-    quantize,
 )
-from jaxmp._src.quantize_rules import Quantized, quantized
+from jaxmp._src.quantization.rules import Quantized, quantized
 from jaxmp._src.state import (
     get_loss_scale,
     inner_state,

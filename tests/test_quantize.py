@@ -15,7 +15,9 @@ from flax import nnx
 from jax import lax
 
 import jaxmp
-from jaxmp._src import quantize as q_lib
+from jaxmp._src.quantization import leaf as leaf_lib
+from jaxmp._src.quantization import plan as plan_lib
+from jaxmp._src.quantization import recipes as q_lib
 from tests.conftest import diagonal_cases
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -58,7 +60,7 @@ def _numpy_int8(w, scale=None):
 @pytest.mark.parametrize("name", ["int8", "int8_dynamic"])
 def test_int8_matches_numpy(name):
     w = _weights((64, 16))
-    q = q_lib.quantize_array(jnp.asarray(w), (0,), RECIPES[name])
+    q = leaf_lib.quantize_array(jnp.asarray(w), (0,), RECIPES[name])
     values, scale = _numpy_int8(w)
     # XLA's float32 division on CPU is not always correctly rounded: a scale may be 1 ulp off
     # numpy's, and the values are then numpy's rounding with that scale.
@@ -74,7 +76,7 @@ def test_int8_matches_numpy(name):
 
 def test_fp8_matches_numpy():
     w = _weights((64, 16))
-    q = q_lib.quantize_array(jnp.asarray(w), (0,), RECIPES["fp8"])
+    q = leaf_lib.quantize_array(jnp.asarray(w), (0,), RECIPES["fp8"])
     amax = np.abs(w).max(axis=0, keepdims=True)
     scale = np.where(amax > 0, amax / 448, 1).astype(np.float32)
     np.testing.assert_allclose(np.asarray(q.scales), scale, rtol=2e-7)  # amax / 448, 1 ulp
@@ -109,7 +111,7 @@ def _int4_reference(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def test_int4_matches_numpy():
     w = _weights((64, 16))
     recipe = RECIPES["int4"]
-    q = q_lib.quantize_array(jnp.asarray(w), (0,), recipe)
+    q = leaf_lib.quantize_array(jnp.asarray(w), (0,), recipe)
     groups = w.T.reshape(16, 2, 32)  # output channels, groups along the contraction, values
     ints, scale = _int4_reference(groups)
     np.testing.assert_allclose(np.asarray(q.scales), scale[..., 0], rtol=2e-7)
@@ -137,7 +139,7 @@ def test_int4_error_is_never_above_plain_absmax_rounding():
         ],
         axis=1,
     ).astype(np.float32)
-    q = q_lib.quantize_array(jnp.asarray(w), (0,), jaxmp.Int4WeightOnly(group_size=32))
+    q = leaf_lib.quantize_array(jnp.asarray(w), (0,), jaxmp.Int4WeightOnly(group_size=32))
     groups = w.T.reshape(24, 4, 32)
     amax = np.abs(groups).max(-1, keepdims=True)
     plain = np.clip(np.round(groups / (amax / 7)), -7, 7) * (amax / 7)
@@ -150,7 +152,7 @@ def test_int4_error_is_never_above_plain_absmax_rounding():
     # Groups near float32's smallest normal number: no candidate scale is flushed to 0.
     tiny = np.float32(np.finfo(np.float32).tiny)
     small = (np.linspace(-1, 1, 64, dtype=np.float32) * 3 * tiny)[:, None]
-    q = q_lib.quantize_array(jnp.asarray(small), (0,), jaxmp.Int4WeightOnly(group_size=32))
+    q = leaf_lib.quantize_array(jnp.asarray(small), (0,), jaxmp.Int4WeightOnly(group_size=32))
     assert np.all(np.asarray(q.scales) >= tiny)
     deq = np.asarray(q.dequantize())
     assert np.all(np.sign(deq[[0, -1]]) == np.sign(small[[0, -1]]))  # the extremes kept
@@ -161,9 +163,9 @@ def test_int4_choice_does_not_depend_on_the_weights_scale():
     # a power of two scales its scales and keeps its values, from 1e-18 to 1e30.
     w = np.clip(np.random.default_rng(3).normal(size=(128, 16)), -4, 4).astype(np.float32)
     recipe = jaxmp.Int4WeightOnly(group_size=32)
-    ref = q_lib.quantize_array(jnp.asarray(w), (0,), recipe)
+    ref = leaf_lib.quantize_array(jnp.asarray(w), (0,), recipe)
     for k in (-60, 64, 100):
-        q = q_lib.quantize_array(jnp.asarray(w * np.float32(2.0**k)), (0,), recipe)
+        q = leaf_lib.quantize_array(jnp.asarray(w * np.float32(2.0**k)), (0,), recipe)
         np.testing.assert_array_equal(np.asarray(q.values), np.asarray(ref.values), err_msg=k)
         np.testing.assert_array_equal(np.asarray(q.scales), np.asarray(ref.scales) * 2.0**k)
 
@@ -175,17 +177,17 @@ def test_round_trips_are_exact_on_the_grid():
     ints = rng.integers(-127, 128, size=(32, 8))
     ints[0] = 127  # each channel reaches the top of the grid
     on_grid = (ints * steps).astype(np.float32)
-    q = q_lib.quantize_array(jnp.asarray(on_grid), (0,), RECIPES["int8"])
+    q = leaf_lib.quantize_array(jnp.asarray(on_grid), (0,), RECIPES["int8"])
     np.testing.assert_array_equal(np.asarray(q.dequantize()), on_grid)
 
     e4m3 = rng.normal(size=(32, 8)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     e4m3[0] = 448.0
-    q = q_lib.quantize_array(jnp.asarray(e4m3), (0,), RECIPES["fp8"])
+    q = leaf_lib.quantize_array(jnp.asarray(e4m3), (0,), RECIPES["fp8"])
     np.testing.assert_array_equal(np.asarray(q.dequantize()), e4m3)
 
     nibbles = rng.integers(-7, 8, size=(64, 8)).astype(np.float32)
     nibbles[::32] = 7.0  # each group reaches the top
-    q = q_lib.quantize_array(jnp.asarray(nibbles), (0,), RECIPES["int4"])
+    q = leaf_lib.quantize_array(jnp.asarray(nibbles), (0,), RECIPES["int4"])
     np.testing.assert_array_equal(np.asarray(q.dequantize()), nibbles)
     packed = q_lib.pack_int4(jnp.asarray(np.arange(-8, 8, dtype=np.int8)))
     np.testing.assert_array_equal(np.asarray(q_lib.unpack_int4(packed)), np.arange(-8, 8))
@@ -193,11 +195,11 @@ def test_round_trips_are_exact_on_the_grid():
 
 def test_int4_storage_is_half_a_byte_per_weight():
     w = jnp.ones((1024, 256), jnp.bfloat16)
-    q = q_lib.quantize_array(w, (0,), jaxmp.Int4WeightOnly())
+    q = leaf_lib.quantize_array(w, (0,), jaxmp.Int4WeightOnly())
     assert q.values.nbytes == w.size // 2
     assert q.scales.nbytes == 4 * w.size // 128
     assert q.nbytes / w.nbytes == pytest.approx(0.25 + 2 / 128)
-    q8 = q_lib.quantize_array(w, (0,), jaxmp.Int8WeightOnly())
+    q8 = leaf_lib.quantize_array(w, (0,), jaxmp.Int8WeightOnly())
     assert q8.nbytes == w.size + 4 * 256
 
 
@@ -428,7 +430,7 @@ def test_nnx_module_state(name):
 
     def leaves(tree):
         flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=q_lib.is_quantized)[0]
-        return {q_lib.path_string(path): leaf for path, leaf in flat}
+        return {plan_lib.path_string(path): leaf for path, leaf in flat}
 
     got, before = leaves(q), leaves(state)
     for path, leaf in got.items():

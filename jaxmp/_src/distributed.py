@@ -152,6 +152,11 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, shardings: An
         >>> tuple(out.inner_state[0].mu["w"].spec), tuple(out.loss_scale.loss_scale.spec)
         (('model',), ())
     """
+    return init_shardings(tx.init, params, shardings)
+
+
+def init_shardings(init: Any, params: Any, shardings: Any = None) -> Any:
+    """`state_shardings` of an ``init`` function (`state_shardings` documents the rest)."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if shardings is None:
         sharding_leaves = [None] * len(leaves_with_path)
@@ -192,7 +197,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, shardings: An
         ],
     )
     with jax.sharding.use_abstract_mesh(explicit):
-        out = jax.eval_shape(tx.init, abstract)
+        out = jax.eval_shape(init, abstract)
 
     # Traced specs spell out trailing unsharded dimensions (P("model", None)); give a leaf
     # sharded like a param that param's own spec object, so that shardings compare equal.

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.typing import DTypeLike
 
-from jaxmp._src import dtypes
+from jaxmp._src import dtypes, staging
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.loss_scaling import as_transformation
 from jaxmp._src.stochastic_rounding import other_update, require_params, widen_floats
@@ -121,6 +121,7 @@ def kahan_summation(
     inner = as_transformation(inner)
     buffer_dtype = None if dtype is None else dtypes.as_float_dtype(dtype, arg="dtype")
 
+    @staging.staged
     def init_fn(params):
         return KahanSummationState(
             compensation=jax.tree.map(lambda x: _compensation(x, buffer_dtype), params),

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp._src import compat, dtypes
+from jaxmp._src import compat, dtypes, staging
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import tree as tree_lib
 
@@ -594,6 +594,7 @@ def loss_scaling(
         raise TypeError(f"`check_outputs` must be a bool, got {check_outputs!r}.")
     axis_name = check_axis_name(axis_name)
 
+    @staging.staged
     def init_fn(params):
         # `inner` receives float32 gradients: its state starts from float32 params too.
         inner_state = inner.init(_widen(params))

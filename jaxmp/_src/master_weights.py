@@ -10,7 +10,7 @@ import numpy as np
 import optax
 from jax.typing import DTypeLike
 
-from jaxmp._src import casting, dtypes
+from jaxmp._src import casting, dtypes, staging
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.loss_scaling import as_transformation
 
@@ -155,6 +155,7 @@ def master_weights(
     if not isinstance(count_saturated, bool):
         raise TypeError(f"`count_saturated` must be a bool, got {count_saturated!r}.")
 
+    @staging.staged
     def init_fn(params):
         master = jax.tree.map(lambda x: _master_leaf(x, master_dtype), params)
         return MasterWeightsState(

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxmp._src import dtypes
+from jaxmp._src import dtypes, staging
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.loss_scaling import as_transformation
 
@@ -417,6 +417,7 @@ def stochastic_rounding(
     seed = check_seed(seed)
     param_specs = check_param_specs(param_specs)
 
+    @staging.staged
     def init_fn(params):
         return StochasticRoundingState(
             key=seed_key(seed, TAG_PARAMS), inner_state=inner.init(widen_floats(params))

@@ -11,10 +11,12 @@ operand:
 * ``dot_general`` contracting the weight's contraction axes runs the recipe's kernel:
   weight-only int8 converts the weight to the dtype the matmul had inside the dot and scales
   the float32 output per output channel; `Int8DynamicActivations` quantises the other
-  operand per row and runs int8 x int8 -> int32; `Float8Rowwise` E4M3 x E4M3 -> float32;
-  `Int4WeightOnly` dequantises the weight and runs the matmul as traced.
-* ``convert_element_type`` to a floating dtype and ``transpose`` keep the weight quantised
-  (the dtype is recorded; values and scales are transposed), except for int4.
+  operand per row and runs int8 x int8 -> int32; `Float8Rowwise` E4M3 x E4M3 -> float32
+  (on CPU, whose dot would widen FP8 operands to float32 copies, as bfloat16 x bfloat16 ->
+  float32: the same products); `Int4WeightOnly` dequantises the weight into the matmul's
+  dtype in one pass and accumulates in float32. No float32 copy of a weight is made.
+* ``convert_element_type`` to a floating dtype keeps the weight quantised (the dtype is
+  recorded); so does ``transpose`` (values and scales transposed), except for int4.
 * ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint`` and custom-rule functions are
   evaluated under these rules (custom JVP/VJP rules inlined: this is inference).
 * Every other equation dequantises its quantised operands and runs as traced.
@@ -29,10 +31,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxmp._src import compat, interpret
-from jaxmp._src import quantize as q_lib
+from jaxmp._src.quantization import recipes as q_lib
 
 __all__ = ["Quantized", "quantized"]
 
@@ -76,7 +79,7 @@ def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
         side = 1
     elif q_lib.is_quantized(lhs) and not q_lib.is_quantized(rhs) and _fits(lhs, lc):
         side = 0
-    if side is None or isinstance(vals[side].recipe, q_lib.Int4WeightOnly):
+    if side is None:
         return compat.bind(eqn, [_dequantize(v) for v in vals])
     w: q_lib.QuantizedArray = vals[side]
     x = jnp.asarray(vals[1 - side])
@@ -89,30 +92,61 @@ def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
 
     # Rescaled in float32, or float64 for a float64 matmul (its range).
     acc_dtype = q_lib.scale_dtype(out_dtype)
-    w_scale = _to_output(w.scales, side, dn, ndims).astype(acc_dtype)
     recipe = w.recipe
+    if isinstance(recipe, q_lib.Int4WeightOnly):
+        # Dequantised into the matmul's dtype in one pass, read in the order it is stored,
+        # accumulated in float32: with a transposed operand, or a bfloat16 output, XLA:CPU
+        # widens the weight to a float32 copy.
+        moved, axes = q_lib.dequantize_moved(w)
+        (lc, rc), (lb, rb) = dn
+        if side == 1:
+            rc, rb = tuple(axes[d] for d in rc), tuple(axes[d] for d in rb)
+        else:
+            lc, lb = tuple(axes[d] for d in lc), tuple(axes[d] for d in lb)
+        operands = (moved, x) if side == 0 else (x, moved)
+        y = lax.dot_general(
+            *operands, ((lc, rc), (lb, rb)), precision=precision, preferred_element_type=acc_dtype
+        )
+        return [y.astype(out_dtype)]
+    w_scale = _to_output(w.scales, side, dn, ndims).astype(acc_dtype)
     if isinstance(recipe, q_lib.Int8WeightOnly):
         y = dot(x, w.values.astype(w.dtype), acc_dtype) * w_scale
         return [y.astype(out_dtype)]
     x_contract = (lc, rc)[1 - side]
     x_scale = q_lib.absmax_scale(x, x_contract, recipe.qmax)
     xq = q_lib.quantize_values(x, x_scale, recipe)
-    preferred = jnp.int32 if isinstance(recipe, q_lib.Int8DynamicActivations) else jnp.float32
-    acc = dot(xq, w.values, preferred).astype(acc_dtype)
-    y = acc * _to_output(x_scale, 1 - side, dn, ndims).astype(acc_dtype) * w_scale
-    return [y.astype(out_dtype)]
+    if isinstance(recipe, q_lib.Int8DynamicActivations):
+        acc = dot(xq, w.values, jnp.int32)
+    else:
+        acc = _fp8_product(dot, xq, w.values)
+    y = acc.astype(acc_dtype) * _to_output(x_scale, 1 - side, dn, ndims).astype(acc_dtype)
+    return [(y * w_scale).astype(out_dtype)]
+
+
+def _fp8_product(dot: Callable[..., jax.Array], xq: jax.Array, wq: jax.Array) -> jax.Array:
+    """E4M3 x E4M3 with float32 accumulation: the FP8 GEMM where the backend has one; on CPU,
+    whose dot widens FP8 operands to float32 copies, both in bfloat16 (exact: every E4M3
+    value is a bfloat16 value, and their products float32 values)."""
+
+    def native(a: jax.Array, b: jax.Array) -> jax.Array:
+        return dot(a, b, jnp.float32)
+
+    def widened(a: jax.Array, b: jax.Array) -> jax.Array:
+        return dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), jnp.float32)
+
+    return lax.platform_dependent(xq, wq, cpu=widened, default=native)
 
 
 def _layout(eqn: Any, x: q_lib.QuantizedArray) -> Any:
     """A ``convert_element_type`` or ``transpose`` of a quantised weight, kept quantised."""
     name = eqn.primitive.name
-    if isinstance(x.recipe, q_lib.Int4WeightOnly):
-        return None
     if name == "convert_element_type":
         dtype = jnp.dtype(eqn.outvars[0].aval.dtype)
-        if not q_lib._is_float_dtype(dtype):
+        if not q_lib.is_float_dtype(dtype):
             return None
         return dataclasses.replace(x, dtype=dtype)
+    if isinstance(x.recipe, q_lib.Int4WeightOnly):
+        return None  # its values are laid out by output channel and group: dequantised
     perm = tuple(eqn.params["permutation"])
     ndim = len(perm)
     old = {c + ndim for c in x.contract}
@@ -171,7 +205,11 @@ def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[interpret.Arg
     leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=q_lib.is_quantized)
 
     def dynamic(x: Any) -> bool:
-        return q_lib.is_quantized(x) or q_lib._is_array(x) or compat.is_tracer(x)
+        return (
+            q_lib.is_quantized(x)
+            or isinstance(x, (jax.Array, np.ndarray, np.generic))
+            or compat.is_tracer(x)
+        )
 
     static = tuple((i, x) for i, x in enumerate(leaves) if not dynamic(x))
     return interpret.ArgSpec(treedef, static, len(leaves)), [x for x in leaves if dynamic(x)]

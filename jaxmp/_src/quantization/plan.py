@@ -1,0 +1,366 @@
+"""Which leaves of a model's params are matmul weights, and quantising them: `quantize`.
+
+Which leaves of the params are matmul weights comes from how the function uses them, not
+from their names: `quantize` traces ``fun(params, *example_args)`` and follows each param
+leaf through the jaxpr (into ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint`` and
+custom-rule bodies, and through ``convert_element_type`` and ``transpose``) to the
+``dot_general`` equations that read it. A leaf every use of which is an operand of a
+``dot_general`` contracting the same axes is a matmul weight: those axes are its contraction
+axes, every other axis (the stacked layers of a scanned leaf included) an output channel.
+Each is then quantised leaf by leaf (`jaxmp._src.quantization.leaf`), in slices where it is
+large, where it lives; the recipes and `QuantizedArray` are in
+`jaxmp._src.quantization.recipes`, running a function on the result in
+`jaxmp._src.quantization.rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxmp._src import compat
+from jaxmp._src.patterns import compile_exclude
+from jaxmp._src.quantization import leaf as leaf_lib
+from jaxmp._src.quantization.recipes import (
+    Int4WeightOnly,
+    Recipe,
+    get_recipe,
+    is_float_dtype,
+    is_quantized,
+)
+
+__all__ = ["QuantizedLeaf", "quantization_plan", "quantize"]
+
+
+# --------------------------------------------------------------------------------------------
+# Which leaves are matmul weights.
+
+
+class QuantizedLeaf(NamedTuple):
+    """One floating leaf of the params under `quantize` (`jaxmp.quantization_plan`).
+
+    Attributes:
+      path: its path, the string ``exclude`` patterns are searched in (``"params/fc/kernel"``).
+      quantized: whether it is quantised.
+      reason: why or why not (``"matmul weight, contracted over axes (0,)"``,
+        ``"excluded by 'head'"``, ``"also used by gather"``, ...).
+    """
+
+    path: str
+    quantized: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """A jaxpr value that is a param leaf seen through layout ops: axis i of the value is
+    axis ``axes[i]`` of the leaf."""
+
+    leaf: int
+    axes: tuple[int, ...]
+
+
+# Call-like primitives whose body takes the equation's operands one to one, and the parameter
+# holding the body.
+_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
+_SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p"})
+
+
+def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None:
+    """Adds to ``uses[leaf]`` each use of a param leaf in `jaxpr`: ``("dot", contraction
+    axes of the leaf)`` or ``("other", primitive name)``."""
+
+    def tracked(var: Any) -> _Origin | None:
+        return None if isinstance(var, compat.Literal) else origins.get(var)
+
+    def recurse(sub: Any, pairs: Sequence[tuple[Any, _Origin | None]]) -> None:
+        inner, _ = compat.jaxpr_and_consts(sub)
+        _uses(inner, {v: o for v, o in pairs if o is not None}, uses)
+
+    def other(name: str, found: Sequence[_Origin | None]) -> None:
+        for o in found:
+            if o is not None:
+                uses[o.leaf].add(("other", name))
+
+    for eqn in jaxpr.eqns:
+        found = [tracked(v) for v in eqn.invars]
+        if not any(found):
+            continue
+        name, params = eqn.primitive.name, eqn.params
+        if name == "dot_general":
+            (lc, rc), _ = params["dimension_numbers"]
+            for o, dims in zip(found, (lc, rc), strict=True):
+                if o is not None:
+                    uses[o.leaf].add(("dot", tuple(sorted(o.axes[d] for d in dims))))
+        elif name in _SAME_LAYOUT and is_float_dtype(eqn.outvars[0].aval.dtype):
+            origins[eqn.outvars[0]] = found[0]  # type: ignore[assignment]
+        elif name == "transpose":
+            o = found[0]
+            assert o is not None
+            origins[eqn.outvars[0]] = _Origin(
+                o.leaf, tuple(o.axes[p] for p in params["permutation"])
+            )
+        elif name in _CALLS:
+            sub, _ = compat.jaxpr_and_consts(params[_CALLS[name]])
+            if len(sub.invars) != len(found):
+                other(name, found)
+                continue
+            recurse(params[_CALLS[name]], list(zip(sub.invars, found, strict=True)))
+        elif name == "scan":
+            n_consts, n_carry = compat.scan_counts(params)
+            sub, _ = compat.jaxpr_and_consts(params["jaxpr"])
+            other("scan carry", found[n_consts : n_consts + n_carry])
+            pairs = list(zip(sub.invars[:n_consts], found[:n_consts], strict=True))
+            for var, o in zip(
+                sub.invars[n_consts + n_carry :], found[n_consts + n_carry :], strict=True
+            ):
+                # Each iteration sees the leaf without its leading (stacked) axis.
+                pairs.append((var, None if o is None else _Origin(o.leaf, o.axes[1:])))
+            recurse(params["jaxpr"], pairs)
+        elif name == "while":
+            n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+            other("while carry", found[n_cond + n_body :])
+            for key, part in (
+                ("cond_jaxpr", found[:n_cond]),
+                ("body_jaxpr", found[n_cond : n_cond + n_body]),
+            ):
+                sub, _ = compat.jaxpr_and_consts(params[key])
+                recurse(params[key], list(zip(sub.invars, part, strict=False)))
+        elif name == "cond":
+            other("cond index", found[:1])
+            for branch in params["branches"]:
+                sub, _ = compat.jaxpr_and_consts(branch)
+                recurse(branch, list(zip(sub.invars, found[1:], strict=True)))
+        else:
+            other(name, found)
+    for var in jaxpr.outvars:
+        o = tracked(var)
+        if o is not None:
+            uses[o.leaf].add(("other", "returned"))
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_string(path: Sequence[Any]) -> str:
+    """A leaf's path as its keys joined by ``/`` (``"params/Dense_0/kernel"``)."""
+    return "/".join(_key_name(k) for k in path)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decision:
+    path: str
+    index: int  # in the flat leaves
+    contract: tuple[int, ...] | None  # None: left as it is
+    reason: str
+
+
+def _plan(
+    fun: Callable[..., Any],
+    params: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    recipe: Any,
+    exclude: Any,
+) -> tuple[Recipe, list[Any], Any, list[_Decision]]:
+    recipe = get_recipe(recipe)
+    patterns = compile_exclude(exclude, "exclude")
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)
+    for key_path, leaf in with_path:
+        if is_quantized(leaf):
+            raise ValueError(
+                f"`params` leaf {path_string(key_path)!r} is already quantised ({leaf!r}); "
+                "quantise the original params (`QuantizedArray.dequantize()` approximates one)."
+            )
+    leaves = [leaf for _, leaf in with_path]
+    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+    def flat(*values: Any) -> Any:
+        full = list(leaves)
+        for i, v in zip(arrays, values, strict=True):
+            full[i] = v
+        return fun(jax.tree.unflatten(treedef, full), *args, **kwargs)
+
+    structs = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in arrays]
+    closed = jax.make_jaxpr(flat)(*structs)
+    uses: list[set[Any]] = [set() for _ in arrays]
+    origins = {
+        var: _Origin(k, tuple(range(len(s.shape))))
+        for k, (var, s) in enumerate(zip(closed.jaxpr.invars, structs, strict=True))
+    }
+    _uses(closed.jaxpr, origins, uses)
+
+    matched: set[int] = set()
+    decisions = []
+    for k, i in enumerate(arrays):
+        path = path_string(with_path[i][0])
+        leaf = leaves[i]
+        if not is_float_dtype(leaf.dtype):
+            continue  # int, bool and key leaves are never candidates
+        decisions.append(_decide(path, i, leaf, uses[k], recipe, patterns, matched))
+    unmatched = [p.pattern for j, p in enumerate(patterns) if j not in matched]
+    if unmatched:
+        names = [d.path for d in decisions]
+        close = difflib.get_close_matches(unmatched[0], names, n=1, cutoff=0.3)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"`exclude` pattern {unmatched[0]!r} matches no floating leaf of the params "
+            f"(searched with re.search in their paths: {', '.join(names)}).{hint}"
+        )
+    return recipe, leaves, treedef, decisions
+
+
+def _decide(
+    path: str,
+    index: int,
+    leaf: Any,
+    uses: set[Any],
+    recipe: Any,
+    patterns: tuple[re.Pattern[str], ...],
+    matched: set[int],
+) -> _Decision:
+    for j, pattern in enumerate(patterns):
+        if pattern.search(path):
+            matched.add(j)
+            return _Decision(path, index, None, f"excluded by {pattern.pattern!r}")
+    others = sorted(name for kind, name in uses if kind == "other")
+    dots = sorted({axes for kind, axes in uses if kind == "dot"})
+    if not dots:
+        used = f"used by {', '.join(others)}" if others else "unused"
+        return _Decision(path, index, None, f"not a matmul weight ({used})")
+    if others:
+        return _Decision(path, index, None, f"a matmul weight also used by {', '.join(others)}")
+    if len(dots) > 1:
+        shown = " and ".join(str(d) for d in dots)
+        return _Decision(path, index, None, f"matmuls contract different axes: {shown}")
+    (contract,) = dots
+    if isinstance(recipe, Int4WeightOnly):
+        k = math.prod(np.shape(leaf)[c] for c in contract)
+        if k % recipe.group_size:
+            return _Decision(
+                path,
+                index,
+                None,
+                f"contraction size {k} is not a multiple of group_size {recipe.group_size}",
+            )
+    return _Decision(path, index, contract, f"matmul weight, contracted over axes {contract}")
+
+
+def quantization_plan(
+    fun: Callable[..., Any],
+    params: Any,
+    *example_args: Any,
+    recipe: Any,
+    exclude: Any = (),
+    **example_kwargs: Any,
+) -> tuple[QuantizedLeaf, ...]:
+    """What `quantize` does with each floating leaf of `params`, and why.
+
+    Takes `quantize`'s arguments (the weights' values are checked for NaN and inf too).
+
+    Returns:
+      One `QuantizedLeaf` per floating leaf, in the order of the params' leaves.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> def mlp(p, x):
+      ...     return jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
+      >>> p = {"b": jnp.zeros(4), "v": jnp.ones((4, 2)), "w": jnp.ones((8, 4))}
+      >>> for leaf in jaxmp.quantization_plan(mlp, p, jnp.ones((1, 8)), recipe="int8"):
+      ...     print(leaf.path, leaf.quantized, leaf.reason)
+      b False not a matmul weight (used by broadcast_in_dim)
+      v True matmul weight, contracted over axes (0,)
+      w True matmul weight, contracted over axes (0,)
+    """
+    _, leaves, _, decisions = _plan(fun, params, example_args, example_kwargs, recipe, exclude)
+    for d in decisions:
+        if d.contract is not None:
+            leaf_lib.check_finite(d.path, leaves[d.index])
+    return tuple(QuantizedLeaf(d.path, d.contract is not None, d.reason) for d in decisions)
+
+
+def quantize(
+    fun: Callable[..., Any],
+    params: Any,
+    *example_args: Any,
+    recipe: Any,
+    exclude: Any = (),
+    **example_kwargs: Any,
+) -> Any:
+    """Quantises the matmul weights among `params` with `recipe`; run them with `quantized`.
+
+    ``fun(params, *example_args, **example_kwargs)`` is traced (not run) to find which
+    leaves are matmul weights and their contraction axes (see the module docs): a leaf read
+    by ``dot_general`` only, through ``convert_element_type`` and ``transpose`` and inside
+    ``jit``, ``scan`` (a stacked leaf scanned over layers), ``while``, ``cond`` and
+    ``checkpoint``. Other floating leaves, and every int or bool leaf, are returned as they
+    are (the same objects): biases, norms, an embedding read by ``gather`` only; a tied
+    embedding (``gather`` and a matmul) is left unquantised too. `quantization_plan` lists
+    each floating leaf with the reason.
+
+    Args:
+      fun: the model function, ``fun(params, *args, **kwargs)``; for Flax Linen
+        ``model.apply`` with ``{"params": params}``, for Equinox a function of the module.
+      params: any pytree; its array leaves are the candidates.
+      *example_args: arguments of one call of `fun` (arrays or ``jax.ShapeDtypeStruct``).
+      recipe: `Int8WeightOnly`, `Int8DynamicActivations`, `Float8Rowwise`, `Int4WeightOnly`,
+        or the name of one: ``"int8"``, ``"int8_dynamic"``, ``"fp8"``, ``"int4"``.
+      exclude: regexes kept unquantised: a leaf whose path (its keys joined by ``/``, such
+        as ``"params/head/kernel"``) contains a match (`re.search`) is left as it is. Each
+        pattern must match a floating leaf.
+      **example_kwargs: keyword arguments of that call.
+
+    Returns:
+      `params` with each matmul weight replaced by a `QuantizedArray`.
+
+    Raises:
+      ValueError: for an unknown recipe name or an exclude pattern matching no leaf (both
+        listing the valid choices), a weight holding NaN or inf, or a leaf that is a
+        `QuantizedArray` already (both naming its path).
+      TypeError: for a recipe or exclude of the wrong type.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> def mlp(p, x):
+      ...     return jnp.tanh(x @ p["w"]) @ p["v"]
+      >>> p = {"v": jnp.ones((256, 2)), "w": jnp.ones((8, 256))}
+      >>> q = jaxmp.quantize(mlp, p, jnp.ones((1, 8)), recipe="int8")
+      >>> q["w"]
+      QuantizedArray(int8, shape=(8, 256), dtype=float32, contract=(-2,))
+      >>> jaxmp.quantized(mlp)(q, jnp.ones((1, 8))).shape
+      (1, 2)
+    """
+    recipe, leaves, treedef, decisions = _plan(
+        fun, params, example_args, example_kwargs, recipe, exclude
+    )
+    out = list(leaves)
+    for d in decisions:
+        if d.contract is not None:
+            q = leaf_lib.quantize_array(leaves[d.index], d.contract, recipe)
+            leaf_lib.check_finite(d.path, leaves[d.index], q)
+            out[d.index] = q
+    return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,180 @@
+"""Optimizer state built in one compiled program, where the params live (`staging`).
+
+The state-building calls of jaxmp's transforms (`mixed_precision`, `loss_scaling`,
+`master_weights`, `stochastic_rounding`, `kahan_summation`, `compress_state`) called outside
+`jax.jit` trace the whole ``init`` once and run it compiled: the float32 widened params and
+moments that the low-memory path exists to avoid are never written (they were: 6x the state
+of a bfloat16 model with int8 moments). Memory is checked with the compiled program's
+`memory_analysis()`; at real sizes by `benchmarks/memory_at_scale.py`. Sharded params: see
+``test_state_is_built_where_sharded_params_live`` and tests/distributed/where_it_lives.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+from jaxmp._src import compat, staging
+from tests.test_distributed import run_script
+
+BF16 = jnp.bfloat16
+
+#: `mixed_precision`'s configurations for bfloat16 params, by name.
+CONFIGS = {
+    "master weights": dict(),
+    "nearest": dict(master_weights=False),
+    "stochastic bf16": dict(master_weights=False, rounding="stochastic", moments="bfloat16"),
+    "stochastic int8": dict(master_weights=False, rounding="stochastic", moments="int8"),
+    "nearest int8": dict(master_weights=False, moments="int8"),
+    "kahan fp8": dict(master_weights=False, rounding="kahan", moments="fp8"),
+    "kahan int8/fp8": dict(master_weights=False, rounding="kahan", moments=("int8", "fp8")),
+}
+
+
+def _params(rows: int = 64, cols: int = 512) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    return {
+        "w": jnp.asarray(rng.normal(size=(rows, cols)) / 8, BF16),
+        "b": jnp.zeros((cols,), BF16),
+        "step": jnp.zeros((), jnp.int32),
+    }
+
+
+def _tx(name: str) -> optax.GradientTransformation:
+    return jaxmp.mixed_precision(optax.adam(1e-3), "p=bf16,c=bf16", **CONFIGS[name])
+
+
+class _SpyState(NamedTuple):
+    mu: Any
+
+
+def _spy(seen: list[Any]) -> optax.GradientTransformation:
+    """Adam's first moment, recording what its `init` is given."""
+
+    def init(params):
+        seen.extend(jax.tree.leaves(params))
+        return _SpyState(mu=jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        return updates, state
+
+    return optax.GradientTransformation(init, update)
+
+
+# --- One program -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda inner: jaxmp.mixed_precision(inner, "p=bf16,c=bf16", master_weights=False),
+        lambda inner: jaxmp.loss_scaling(inner),
+        lambda inner: jaxmp.stochastic_rounding(inner),
+        lambda inner: jaxmp.kahan_summation(inner),
+        lambda inner: jaxmp.master_weights(inner),
+        lambda inner: jaxmp.compress_state(
+            inner, "int8", moment_fields={_SpyState: {"mu": "first"}}
+        ),
+    ],
+    ids=["mixed_precision", "loss_scaling", "stochastic", "kahan", "master_weights", "compress"],
+)
+def test_an_eager_init_is_traced_whole(wrap):
+    # The optimizer's own init runs inside the trace of the wrapper's: what it is handed (the
+    # params widened to float32) is a traced value, never an array written out.
+    seen: list[Any] = []
+    state = wrap(_spy(seen)).init(_params())
+    assert seen and all(compat.is_tracer(x) for x in seen)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_init_program_writes_nothing_but_its_state(name):
+    # The program an eager init runs (the same as `jax.jit(tx.init)`): its temporaries are a
+    # sliver of the state it returns. Op by op, 8-bit moments went through float32 moments
+    # and a float32 copy of the params (6x the state).
+    params = _params(256, 4096)
+    compiled = jax.jit(_tx(name).init).lower(params).compile()
+    memory = compiled.memory_analysis()
+    assert memory.temp_size_in_bytes <= 0.05 * memory.output_size_in_bytes
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_state_equals_the_op_by_op_one(name):
+    tx, params = _tx(name), _params()
+    with jax.disable_jit():
+        expected = tx.init(params)
+    state = tx.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def test_state_leaves_that_are_not_arrays_are_kept_as_made():
+    def init(params):
+        return {"count": 0, "table": np.arange(3), "none": None, "mu": jnp.zeros_like(params)}
+
+    state = staging.staged_init(init, jnp.ones(4))
+    assert state["count"] == 0 and type(state["count"]) is int
+    assert isinstance(state["table"], np.ndarray) and state["none"] is None
+    assert isinstance(state["mu"], jax.Array)
+
+
+def test_an_init_reading_a_value_runs_op_by_op():
+    def init(params):
+        # A Python decision on a value: cannot be traced.
+        return {"scale": jnp.asarray(2.0 if float(params["w"][0]) > 0 else 1.0)}
+
+    assert float(staging.staged_init(init, {"w": jnp.ones(3)})["scale"]) == 2.0
+    tx = jaxmp.mixed_precision(
+        optax.GradientTransformation(init, lambda u, s, p=None: (u, s)), "mixed_bfloat16"
+    )
+    assert float(tx.init({"w": jnp.ones(3)}).inner_state["scale"]) == 2.0
+
+
+def test_python_float_and_none_params_are_constants_of_the_program():
+    # An Equinox module's fields: a Python float is trained as a float32 param, None skipped.
+    tx = jaxmp.mixed_precision(optax.adam(1e-3), "p=bf16,c=bf16")
+    state = tx.init({"w": jnp.ones(3, BF16), "alpha": 0.5, "act": None})
+    master = state.inner_state.master
+    assert master["alpha"].dtype == jnp.float32 and float(master["alpha"]) == 0.5
+    assert master["act"] is None
+
+
+def test_inside_a_trace_init_is_traced_as_it_is():
+    tx = _tx("stochastic int8")
+    seen = jax.eval_shape(tx.init, _params())
+    jitted = jax.jit(tx.init)(_params())
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), seen) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), jitted
+    )
+
+
+def test_each_init_call_builds_new_state():
+    # The program is traced per call: a second init after the params changed sees them.
+    tx = jaxmp.mixed_precision(optax.adam(1e-3), "p=bf16,c=bf16")
+    first = tx.init({"w": jnp.ones(3, BF16)})
+    second = tx.init({"w": jnp.full(3, 2.0, BF16)})
+    assert float(first.inner_state.master["w"][0]) == 1.0
+    assert float(second.inner_state.master["w"][0]) == 2.0
+
+
+# --- Sharded params (8 simulated devices, a process of their own) -----------------------------
+
+
+@pytest.fixture(scope="module")
+def where_it_lives():
+    return run_script("where_it_lives.py")
+
+
+@pytest.mark.parametrize("name", ["master weights", "stochastic int8", "kahan fp8", "nearest bf16"])
+def test_state_is_built_where_sharded_params_live(where_it_lives, name):
+    # Each state leaf as `jaxmp.state_shardings` places it (moments and scales split like
+    # their param, not on one device), each device's block equal to the one-device state's.
+    assert where_it_lives[f"init {name}"] == {"placed": True, "values": True}
