@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxmp._src import compat
+from jaxmp._src.display import QuantizationPlan
 from jaxmp._src.patterns import compile_exclude
 from jaxmp._src.quantization import leaf as leaf_lib
 from jaxmp._src.quantization.recipes import (
@@ -300,7 +301,9 @@ def quantization_plan(
     for d in decisions:
         if d.contract is not None:
             leaf_lib.check_finite(d.path, leaves[d.index])
-    return tuple(QuantizedLeaf(d.path, d.contract is not None, d.reason) for d in decisions)
+    return QuantizationPlan(
+        QuantizedLeaf(d.path, d.contract is not None, d.reason) for d in decisions
+    )
 
 
 def quantize(
