@@ -14,10 +14,12 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import jax
+import numpy as np
 
 # Rows a display shows at most; the rest are counted in a note.
 MAX_ROWS = 20
@@ -34,9 +36,10 @@ def html_table(
     *,
     title: str = "",
     notes: Sequence[str] = (),
-    foot: str = "",
+    after: Sequence[str] = (),
 ) -> str:
-    """An HTML table; `title`, `notes` and `foot` are plain text (escaped), as every cell."""
+    """An HTML table: `title`, then a paragraph per line of `notes`, the table, and a
+    paragraph per line of `after`; all plain text (escaped), as every cell."""
     parts = ['<div class="jaxmp-display">']
     if title:
         parts.append(f"<p><b>{escape(title)}</b></p>")
@@ -46,8 +49,7 @@ def html_table(
     for row in rows:
         parts.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>")
     parts.append("</table>")
-    if foot:
-        parts.append(f"<p><i>{escape(foot)}</i></p>")
+    parts += [f"<p>{escape(line)}</p>" for line in after if line]
     parts.append("</div>")
     return "\n".join(parts)
 
@@ -64,6 +66,29 @@ def text_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str
 def shown(count: int, total: int, what: str, how: str) -> str:
     """The note of a bounded display: ``"20 of 506 rows shown; <how> lists all"``."""
     return f"{count} of {total} {what} shown; {how} lists all" if total > count else ""
+
+
+def power_of_two(x: float) -> str:
+    """``"2^15"`` for a power of two, else the number (``"3e+04"``)."""
+    exponent = math.log2(x) if x > 0 and math.isfinite(x) else math.nan
+    if exponent == 0:
+        return "1"
+    if math.isfinite(exponent) and exponent == int(exponent):
+        return f"2^{int(exponent)}"
+    return f"{x:.4g}"
+
+
+def each(value: Any, show: Callable[[Any], str]) -> str:
+    """A concrete value as `show` writes one element: one of a scalar; of a stacked value
+    (replicas, a vmapped state) ``"<v> (each of N)"`` when its elements are equal, else the
+    smallest and the largest (``"<lo> to <hi> over N"``)."""
+    array = np.asarray(value)
+    if array.size == 1:
+        return show(array.reshape(()).item())
+    flat = array.reshape(-1)
+    if (flat == flat[0]).all():
+        return f"{show(flat[0].item())} (each of {flat.size})"
+    return f"{show(flat.min().item())} to {show(flat.max().item())} over {flat.size}"
 
 
 def figure_html(fig: Any, *, alt: str, dpi: int = 80) -> str:
@@ -117,7 +142,7 @@ class Listing(tuple):  # type: ignore[type-arg]
             header,
             self._cells(self[:MAX_ROWS]),
             title=self.title(),
-            foot=shown(min(len(self), MAX_ROWS), len(self), self.what, "str() of it"),
+            after=[shown(min(len(self), MAX_ROWS), len(self), self.what, "str() of it")],
         )
 
     def __str__(self) -> str:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp._src import autocast as autocast_lib
-from jaxmp._src import compat, fp8, fp8_dot, interpret
+from jaxmp._src import compat, display, fp8, fp8_dot, interpret
 from jaxmp._src import policy as policy_lib
 from jaxmp._src.patterns import compile_exclude
 
@@ -550,7 +550,7 @@ class Float8Autocast(autocast_lib.Autocast):
           **kwargs: keyword arguments as for the wrapped function.
 
         Returns:
-          A tuple of `jaxmp.Float8Matmul`.
+          A tuple of `jaxmp.Float8Matmul` (in a notebook, a table of them).
 
         Example:
           >>> import jax, jax.numpy as jnp, jaxmp
@@ -561,7 +561,7 @@ class Float8Autocast(autocast_lib.Autocast):
           >>> [(m.name, m.fp8) for m in f.fp8_matmuls(jnp.ones((4, 4)), jnp.ones((2, 4)))]
           [('head', True), ('head', True)]
         """
-        return tuple(self._trace(_Trace(listing=True), args, kwargs).matmuls)
+        return display.Float8Matmuls(self._trace(_Trace(listing=True), args, kwargs).matmuls)
 
     def __repr__(self) -> str:
         name = getattr(self._fun, "__name__", repr(self._fun))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp._src import compat, dtypes, staging
+from jaxmp._src import compat, display, dtypes, staging
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import tree as tree_lib
 
@@ -33,6 +33,53 @@ class LossScalingState(NamedTuple):
     grads_finite: jax.Array  # shape=(), dtype=bool
     skipped_steps: jax.Array  # shape=(), dtype=int32
     consecutive_skipped_steps: jax.Array  # shape=(), dtype=int32
+
+    def _repr_html_(self) -> str | None:
+        """The state in a notebook: the loss scale and the skipped steps, as a table (None
+        under a trace, where there are no values to show)."""
+        return _state_html(self)
+
+
+def _state_html(state: LossScalingState) -> str | None:
+    scale = state.loss_scale
+    shown = (scale.loss_scale, state.grads_finite, state.skipped_steps)
+    if any(isinstance(x, compat.Tracer) for x in jax.tree.leaves((scale, *shown))):
+        return None
+
+    def step(finite: bool) -> str:
+        return "finite" if finite else "skipped (non-finite)"
+
+    row = [
+        display.each(scale.loss_scale, display.power_of_two),
+        display.each(state.grads_finite, step),
+        display.each(state.skipped_steps, str),
+        display.each(state.consecutive_skipped_steps, str),
+    ]
+    name = type(scale).__name__
+    if isinstance(scale, loss_scale_lib.DynamicLossScale):
+        backoff = (
+            "a non-finite step"
+            if scale.hysteresis == 1
+            else (f"{scale.hysteresis} non-finite steps in a row")
+        )
+        rule = (
+            f"{name}: x{scale.factor:g} after {scale.period} finite steps in a row "
+            f"({display.each(scale.counter, str)} so far), x{scale.backoff:g} after {backoff}"
+        )
+    elif isinstance(scale, loss_scale_lib.NoOpLossScale):
+        rule = f"{name}: no loss scaling"
+    else:
+        rule = f"{name}: fixed"
+    inner = state.inner_state
+    parts = inner if type(inner) is tuple else (inner,)
+    arrays = sum(hasattr(x, "dtype") for x in jax.tree.leaves(inner))
+    names = ", ".join(type(p).__name__ for p in parts)
+    return display.html_table(
+        ["loss scale", "last step", "skipped steps", "skipped in a row"],
+        [row],
+        title="jaxmp.LossScalingState",
+        after=[rule, f"inner state: {names} ({arrays} arrays)"],
+    )
 
 
 def as_transformation(inner: Any, *, arg: str = "inner") -> optax.GradientTransformationExtraArgs:

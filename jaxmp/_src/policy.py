@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxmp._src import casting, dtypes
+from jaxmp._src import casting, display, dtypes
 
 T = TypeVar("T")
 
@@ -126,6 +126,20 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"Policy({str(self)!r})"
+
+    def _repr_html_(self) -> str:
+        """The policy in a notebook: its three dtypes, and whether it needs loss scaling."""
+        compute = self.compute_dtype.name
+        if self.needs_loss_scaling:
+            note = f"computes in {compute}: needs loss scaling (jaxmp.mixed_precision adds it)"
+        else:
+            note = f"computes in {compute}: no loss scaling needed"
+        return display.html_table(
+            ["", "params", "compute", "output"],
+            [["dtype", self.param_dtype.name, compute, self.output_dtype.name]],
+            title=f"jaxmp.{self!r}",
+            after=[note],
+        )
 
 
 def _valid_grammar() -> str:

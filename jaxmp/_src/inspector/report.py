@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxmp._src import compat
+from jaxmp._src import compat, display
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src.inspector import stats as stats_lib
 
@@ -595,7 +595,7 @@ class Report:
         ranked = sorted(self.rows, key=lambda r: (self._severity(r), -r.index), reverse=True)
         return ranked if limit is None else ranked[:limit]
 
-    def _nonfinite_lines(self) -> list[str]:
+    def _nonfinite_lines(self, sources_limit: int | None = None) -> list[str]:
         first, sources = self.first_nonfinite, self.nonfinite_sources
         if first is None and not sources:
             every = "every measured value" if self.sampling else "every value"
@@ -608,8 +608,63 @@ class Report:
                 f"in {first.module or '(no module)'} ({how})"
             )
         if sources:
-            lines.append("non-finite inputs: " + "; ".join(str(s) for s in sources))
+            listed = "; ".join(str(s) for s in sources[:sources_limit])
+            if sources_limit is not None and len(sources) > sources_limit:
+                listed += f"; and {len(sources) - sources_limit} more (report.nonfinite_sources)"
+            lines.append("non-finite inputs: " + listed)
         return lines
+
+    def _summary(self) -> str:
+        n_fwd = sum(r.phase == "forward" for r in self.rows)
+        return (
+            f"jaxmp.inspect: {len(self.rows)} ops ({n_fwd} forward, "
+            f"{len(self.rows) - n_fwd} backward)"
+            + (
+                "; reference: the program evaluated in float32"
+                if self.reference
+                else "; no float32 reference (the program computes in float32 or wider)"
+            )
+            + (f"; sampled: {self.sampling}" if self.sampling else "")
+        )
+
+    def _legend(self) -> str:
+        return (
+            "per format: % of nonzero values that would flush to zero / overflow if stored "
+            "in it" + ("; lost: % of nonzero values zero in the program" if self.reference else "")
+        )
+
+    def _header(self) -> list[str]:
+        header = ["#", "op", "pass", "at", "value", "max|x|", "min|x|>0", "nan", "inf"]
+        header += [f"{stats_lib._short(f)} flush/over" for f in self.formats]
+        if self.reference:
+            header += ["lost", "rel.err"]
+        return header + ["loop"]
+
+    def _cells(self, r: OpStats) -> list[str]:
+        cells = [
+            str(r.index),
+            r.op + ("!" if r.created_nonfinite else "") + (f" [{r.library}]" if r.library else ""),
+            "bwd" if r.phase == "backward" else "fwd",
+            r.location,
+            f"{stats_lib._short(r.dtype)}[{','.join(map(str, r.shape))}]",
+            _num(r.max_abs),
+            _num(r.min_abs),
+            str(r.nan),
+            str(r.inf),
+        ]
+        cells += [_pair(r.flush[f], r.overflow[f]) for f in self.formats]
+        if self.reference:
+            cells += [_pct(r.underflow or 0.0), _num(r.rel_error)]
+        loops = "; ".join(r.loops)
+        if r.calls != 1 or loops:
+            loops = f"{loops} x{r.calls}" if loops else f"x{r.calls}"
+        return cells + [loops]
+
+    def _marks(self, rows: list[OpStats]) -> str:
+        legend = "! marks an op that made a non-finite value from finite inputs"
+        if any(r.library for r in rows):
+            legend += "; [jaxmp] an op of jaxmp's own code, at the user's call"
+        return legend
 
     def table(self, limit: int | None = 40) -> str:
         """A readable table: the `limit` worst rows, grouped by module.
@@ -620,55 +675,15 @@ class Report:
         relative error. Modules appear in the order of their worst row.
         """
         rows = self.worst(limit)
-        n_fwd = sum(r.phase == "forward" for r in self.rows)
-        lines = [
-            f"jaxmp.inspect: {len(self.rows)} ops ({n_fwd} forward, "
-            f"{len(self.rows) - n_fwd} backward)"
-            + (
-                "; reference: the program evaluated in float32"
-                if self.reference
-                else "; no float32 reference (the program computes in float32 or wider)"
-            )
-            + (f"; sampled: {self.sampling}" if self.sampling else "")
-        ]
-        lines += self._nonfinite_lines()
-        lines.append(
-            "per format: % of nonzero values that would flush to zero / overflow if stored "
-            "in it" + ("; lost: % of nonzero values zero in the program" if self.reference else "")
-        )
-        header = ["#", "op", "pass", "at", "value", "max|x|", "min|x|>0", "nan", "inf"]
-        header += [f"{stats_lib._short(f)} flush/over" for f in self.formats]
-        if self.reference:
-            header += ["lost", "rel.err"]
-        header += ["loop"]
+        lines = [self._summary(), *self._nonfinite_lines(), self._legend()]
+        header = self._header()
         groups: dict[str, list[OpStats]] = {}
         for row in rows:
             groups.setdefault(row.module, []).append(row)
         table: list[list[str]] = []
         for module, members in groups.items():
             table.append([f"module {module or '(no module)'}"])
-            for r in members:
-                cells = [
-                    str(r.index),
-                    r.op
-                    + ("!" if r.created_nonfinite else "")
-                    + (f" [{r.library}]" if r.library else ""),
-                    "bwd" if r.phase == "backward" else "fwd",
-                    r.location,
-                    f"{stats_lib._short(r.dtype)}[{','.join(map(str, r.shape))}]",
-                    _num(r.max_abs),
-                    _num(r.min_abs),
-                    str(r.nan),
-                    str(r.inf),
-                ]
-                cells += [_pair(r.flush[f], r.overflow[f]) for f in self.formats]
-                if self.reference:
-                    cells += [_pct(r.underflow or 0.0), _num(r.rel_error)]
-                loops = "; ".join(r.loops)
-                if r.calls != 1 or loops:
-                    loops = f"{loops} x{r.calls}" if loops else f"x{r.calls}"
-                cells += [loops]
-                table.append(cells)
+            table += [self._cells(r) for r in members]
         widths = [len(h) for h in header]
         for cells in table:
             if len(cells) > 1:
@@ -681,9 +696,7 @@ class Report:
                 lines.append(
                     "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
                 )
-        legend = "! marks an op that made a non-finite value from finite inputs"
-        if any(r.library for r in rows):
-            legend += "; [jaxmp] an op of jaxmp's own code, at the user's call"
+        legend = self._marks(rows)
         if limit is not None and len(self.rows) > len(rows):
             lines.append(
                 f"({len(rows)} worst of {len(self.rows)} rows; report.table(limit=None) lists "
@@ -693,8 +706,62 @@ class Report:
             lines.append(f"({legend})")
         return "\n".join(line.rstrip() for line in lines)
 
+    def _suggestion_line(self) -> str:
+        try:
+            suggestion = self.suggest_loss_scale()
+        except ValueError as e:
+            if not any(r.phase == "backward" for r in self.rows):
+                return "no backward pass: no loss scale to suggest"
+            return f"no loss scale to suggest: {e}"
+        scale = display.power_of_two(suggestion.loss_scale)
+        return (
+            f"suggested loss scale: {scale} for gradients computed at scale 1 (jax.grad), "
+            f"else {scale} x their scale (report.suggest_loss_scale(loss_scale)); "
+            f"{_percent(suggestion.underflow)} of the nonzero backward values flush to zero in "
+            f"{suggestion.format} there"
+        )
+
+    def _repr_html_(self, figure: bool = True) -> str:
+        """The report in a notebook: its header (the first non-finite value, the suggested
+        loss scale), the `display.MAX_ROWS` worst rows as a table, and the figure (`plot`)."""
+        rows = self.worst(display.MAX_ROWS)
+        header = self._header()
+        cells = [
+            [c[0], r.module or "(no module)", *c[1:]]
+            for r, c in ((r, self._cells(r)) for r in rows)
+        ]
+        more = ""
+        if len(self.rows) > len(rows):
+            more = (
+                f"{len(rows)} worst of {len(self.rows)} rows shown; "
+                "report.table(limit=None) lists all"
+            )
+        text = display.html_table(
+            [header[0], "module", *header[1:]],
+            cells,
+            title=self._summary(),
+            notes=[
+                *self._nonfinite_lines(sources_limit=5),
+                self._suggestion_line(),
+                self._legend(),
+            ],
+            after=[
+                more,
+                self._marks(rows),
+            ],
+        )
+        if not figure or not self.rows:
+            return text
+        try:
+            image = display.figure_html(self.plot(), alt="exponent histograms per module")
+        except ImportError as e:
+            image = f"<p>{display.escape(f'figure: {e}')}</p>"
+        return text.removesuffix("</div>") + image + "\n</div>"
+
     def __str__(self) -> str:
         return self.table()
+
+    _repr_pretty_ = display.pretty(table)
 
     def __repr__(self) -> str:
         return f"<jaxmp.inspect Report: {len(self.metas)} rows, formats {list(self.formats)}>"
