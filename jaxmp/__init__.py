@@ -37,6 +37,7 @@ from jaxmp._src.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
 )
+from jaxmp._src.loss_scale_plot import plot_loss_scale
 from jaxmp._src.loss_scaling import LossScalingState, loss_scaling
 from jaxmp._src.master_weights import MasterWeightsState, master_weights
 from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
@@ -138,6 +139,7 @@ __all__ = (
     "loss_scaling",
     "master_weights",
     "mixed_precision",
+    "plot_loss_scale",
     "pmean_in_float32",
     "psum_in_float32",
     "schedule_free_eval_params",

@@ -15,6 +15,8 @@ import base64
 import html
 import io
 import math
+import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -89,6 +91,30 @@ def each(value: Any, show: Callable[[Any], str]) -> str:
     if (flat == flat[0]).all():
         return f"{show(flat[0].item())} (each of {flat.size})"
     return f"{show(flat.min().item())} to {show(flat.max().item())} over {flat.size}"
+
+
+def pyplot(who: str) -> Any:
+    """``matplotlib.pyplot``, imported on first use (matplotlib is not a dependency of jaxmp).
+
+    A script that has chosen no backend draws with Agg, off screen; a backend already chosen
+    is kept: pyplot imported by the user, or the one a Jupyter kernel names in
+    ``MPLBACKEND`` (its inline backend, which shows the figures in the notebook).
+
+    Raises:
+      ImportError: if matplotlib is not installed, naming `who` and what to install.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            f"{who} needs matplotlib, which jaxmp does not install: `pip install matplotlib` "
+            "(or `pip install jaxmp[examples]`)."
+        ) from None
+    if "matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def figure_html(fig: Any, *, alt: str, dpi: int = 80) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxmp._src import display
 from jaxmp._src.inspector import report as report_lib
 from jaxmp._src.inspector import stats as stats_lib
 
@@ -25,18 +26,7 @@ _PHASES = (
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError(
-            "jaxmp.Report.plot needs matplotlib, which jaxmp does not install: "
-            "`pip install matplotlib` (or `pip install jaxmp[examples]`)."
-        ) from None
-    if "matplotlib.pyplot" not in __import__("sys").modules:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return display.pyplot("jaxmp.Report.plot")
 
 
 def _format_range(fmt: str) -> tuple[float, float, float]:
