@@ -179,3 +179,36 @@ def test_nnx_modules_are_split_without_importing_jaxmp_nnx_first():
         assert interpret._graph_splitter is sys.modules["jaxmp.nnx"]._split_graph_nodes
     """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def _gpu_only_primitive():
+    """A primitive lowered for CUDA only, as cuDNN's fused attention is."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    prim = Primitive("jaxmp_test_gpu_only")
+    prim.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x * 2, multiple_results=False), "cuda")
+    return prim
+
+
+def test_a_platform_dependent_cond_stays_platform_dependent():
+    # `lax.platform_dependent` (jaxmp.dot_product_attention, the FP8 product of
+    # jaxmp.quantized): the program re-interpreted for the CPU lowers the CPU branch only. As
+    # a plain `switch`, it lowered every branch, and one holding a primitive with no CPU
+    # lowering (cuDNN's attention, with JAX's CUDA plugin installed) failed to compile.
+    prim = _gpu_only_primitive()
+
+    def fun(x):
+        return lax.platform_dependent(x, cpu=jnp.sin, default=prim.bind)
+
+    x = jnp.array([0.5, 0.25])
+    (out,), records = run(jax.jit(fun), x)
+    np.testing.assert_allclose(out, np.sin(np.asarray(x)), rtol=1e-6)
+    assert [(meta[0], calls) for meta, calls, _ in records] == [("sin", 1)]
+
+    def interpreted(x):
+        closed = jax.make_jaxpr(fun)(x)
+        return interpret.Interpreter(CountCalls()).eval_jaxpr(closed.jaxpr, closed.consts, [x])
+
+    assert "jaxmp_test_gpu_only" not in jax.jit(interpreted).lower(x).as_text()

@@ -11,6 +11,8 @@ of a bfloat16 model with int8 moments). Memory is checked with the compiled prog
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -21,7 +23,7 @@ import pytest
 
 import jaxmp
 from jaxmp._src import compat, staging
-from tests.test_distributed import run_script
+from tests.test_distributed import SCRIPTS, TIMEOUT_S, _env, _free_port, _last_json, run_script
 
 BF16 = jnp.bfloat16
 
@@ -156,6 +158,17 @@ def test_inside_a_trace_init_is_traced_as_it_is():
     )
 
 
+def test_a_param_returned_as_it_is_is_that_param_not_a_copy():
+    # The README's pattern: `tx.init(full)` with the float32 params, kept afterwards. The
+    # master copy of a float32 param is the param itself (as op by op), not a second
+    # float32 copy of the model.
+    full = {"w": jnp.ones((8, 8)), "b": jnp.zeros(8)}
+    state = jaxmp.mixed_precision(optax.adam(1e-3), "p=f16,c=f16").init(full)
+    assert all(state.inner_state.master[k] is full[k] for k in full)
+    state = jaxmp.master_weights(optax.sgd(1e-3)).init(full)
+    assert state.master["w"] is full["w"]
+
+
 def test_each_init_call_builds_new_state():
     # The program is traced per call: a second init after the params changed sees them.
     tx = jaxmp.mixed_precision(optax.adam(1e-3), "p=bf16,c=bf16")
@@ -178,3 +191,42 @@ def test_state_is_built_where_sharded_params_live(where_it_lives, name):
     # Each state leaf as `jaxmp.state_shardings` places it (moments and scales split like
     # their param, not on one device), each device's block equal to the one-device state's.
     assert where_it_lives[f"init {name}"] == {"placed": True, "values": True}
+
+
+@pytest.mark.slow
+def test_two_processes_build_the_state_and_quantise_where_their_shards_live():
+    # Two processes of 4 devices each, params made from each process's own blocks: every
+    # state leaf and quantised weight placed as on one process of 8 devices, each process's
+    # blocks equal to the one-device result, the same NaN error raised by both.
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "where_it_lives.py"), str(i), str(port)],
+            env=_env(4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+            if proc.returncode != 0:
+                pytest.fail(f"process exited with {proc.returncode}:\n{err[-5000:]}")
+            outputs.append(_last_json(out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for out in outputs:
+        assert out["process_count"] == 2 and out["device_count"] == 8
+        for name in ("master weights", "stochastic int8", "kahan fp8", "nearest bf16"):
+            assert out[f"init {name}"] == {"placed": True, "values": True}, name
+        for recipe in ("int8", "int8_dynamic", "fp8", "int4"):
+            expected = {"placed": True, "values": True, "all_gathers": 0}
+            assert out[f"quantize {recipe}"] == expected, recipe
+    assert outputs[0]["nan error"] == outputs[1]["nan error"]
+    assert "(1 of 524288 values, the first at index (200, 300): nan)" in outputs[0]["nan error"]

@@ -26,6 +26,7 @@ from jax.extend import source_info_util
 
 __all__ = [
     "INTERNAL_NAMES",
+    "LOOPS_WIDEN_BFLOAT16_ON_CPU",
     "ClosedJaxpr",
     "DropVar",
     "Jaxpr",
@@ -34,6 +35,7 @@ __all__ = [
     "SymbolicZero",
     "Tracer",
     "bind",
+    "branches_platforms",
     "eqn_context",
     "has_subjaxprs",
     "inline_with_selects",
@@ -56,6 +58,19 @@ __all__ = [
     "varying_axes",
     "vary_like",
 ]
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    import jaxlib
+
+    return tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
+
+
+#: jaxlib < 0.12 (0.8.2 and 0.10.2 measured), XLA:CPU: a bfloat16 array read inside a loop
+#: (a `lax.fori_loop` slicing a leaf) is converted to a float32 copy ahead of the loop, twice
+#: the array; its bits as uint16 are not (one copy of the array instead). jaxlib 0.12 does
+#: neither.
+LOOPS_WIDEN_BFLOAT16_ON_CPU = _jaxlib_version() < (0, 12)
 
 #: Every JAX name jaxmp relies on that is not part of JAX's stable public API: its name here
 #: and the places it is looked up, first found wins. Attributes of jaxpr objects and primitive
@@ -185,6 +200,13 @@ def custom_jvp_rule_jaxpr(params: dict[str, Any], zeros: Sequence[bool]) -> tupl
     if not consts:  # jax 0.12 may attach the constants to the jaxpr itself
         consts = getattr(jaxpr, "consts", None) or ()
     return inner, consts, out_zeros
+
+
+def branches_platforms(params: dict[str, Any]) -> tuple[tuple[str, ...] | None, ...] | None:
+    """The platforms of each branch of a ``cond`` staged by `lax.platform_dependent` (None
+    for the default branch), or None for an ordinary ``cond``. The same parameter in jax 0.8
+    to 0.12."""
+    return params.get("branches_platforms")
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:

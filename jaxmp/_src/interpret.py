@@ -692,9 +692,25 @@ def _cond(interp: Interpreter, eqn: Any, vals: list[Any]) -> list[Any]:
 
         return branch
 
-    out_leaves, arrays, clock = lax.switch(
-        index, [fixed(k) for k in range(len(branches))], interp._now(), *o_leaves
-    )
+    platforms = compat.branches_platforms(eqn.params)
+    if platforms is None:
+        out_leaves, arrays, clock = lax.switch(
+            index, [fixed(k) for k in range(len(branches))], interp._now(), *o_leaves
+        )
+    else:
+        # `lax.platform_dependent`: each platform's branch, so that the program lowered for
+        # one platform holds its own branch only (another's may not lower there: cuDNN's
+        # attention on a CPU).
+        per_platform: dict[str, Callable[..., Any]] = {}
+        default = None
+        for k, names in enumerate(platforms):
+            if names is None:
+                default = fixed(k)
+            else:
+                per_platform.update((name, fixed(k)) for name in names)
+        out_leaves, arrays, clock = lax.platform_dependent(
+            interp._now(), *o_leaves, default=default, **per_platform
+        )
     metas = [
         rules.in_loop(m, "cond", f"branch {k} of {len(branches)}")
         for k, holder in enumerate(holders)

@@ -48,9 +48,10 @@ def staged_init(init: Callable[[Any], Any], params: Any) -> Any:
     XLA needs it. With params spread over several devices, each state leaf is placed as
     `jaxmp.state_shardings` says (see the module docs); params that are not all on one mesh
     as `NamedSharding`s are initialised op by op. Leaves of the state that are not arrays (a
-    Python number, a numpy array built by `init`) are returned as `init` made them. An
-    `init` that cannot be traced (one reading a param's value in Python) runs op by op, as
-    it would without jaxmp.
+    Python number, a numpy array built by `init`) are returned as `init` made them, and a
+    param that `init` returns as it is (a float32 param as its own master copy) is that
+    param, not a copy. An `init` that cannot be traced (one reading a param's value in
+    Python) runs op by op, as it would without jaxmp.
 
     Args:
       init: the ``init`` of a transformation.
@@ -81,8 +82,14 @@ def staged_init(init: Callable[[Any], Any], params: Any) -> Any:
             full[i] = v
         state = init(jax.tree.unflatten(treedef, full))
         state_leaves, state_def = jax.tree.flatten(state)
+        given = {id(v): arrays[j] for j, v in enumerate(values)}
         outs, static = [], {}
         for k, x in enumerate(state_leaves):
+            if id(x) in given and isinstance(leaves[given[id(x)]], jax.Array):
+                # A param passed through (a float32 param as its own master copy): the
+                # param itself, as outside a trace, not a copy of it.
+                static[k] = leaves[given[id(x)]]
+                continue
             if not (compat.is_tracer(x) or isinstance(x, jax.Array)):
                 static[k] = x  # not computed from the params: returned as made
                 continue

@@ -161,23 +161,39 @@ def _quantize(
     out = jax.eval_shape(functools.partial(_whole, contract=contract, recipe=recipe), x)
     out_axis = _output_axes(x.ndim, contract, recipe, axis)
 
+    raw, bits = x, None
+    cpu = jax.default_backend() == "cpu"
+    if compat.LOOPS_WIDEN_BFLOAT16_ON_CPU and cpu and x.dtype == jnp.bfloat16:
+        # Read as uint16 in the loop (`compat.LOOPS_WIDEN_BFLOAT16_ON_CPU`): one copy of the
+        # leaf, where older XLA:CPU made a float32 one (two).
+        raw, bits = lax.bitcast_convert_type(x, jnp.uint16), x.dtype
+
     def put(buffers: tuple[jax.Array, jax.Array], start: Any, n: int) -> tuple[Any, Any]:
-        q = _whole(lax.dynamic_slice_in_dim(x, start, n, axis), contract, recipe)
+        chunk = lax.dynamic_slice_in_dim(raw, start, n, axis)
+        if bits is not None:
+            chunk = lax.bitcast_convert_type(chunk, bits)
+        q = _whole(chunk, contract, recipe)
         values, scales = buffers
         return (
-            lax.dynamic_update_slice_in_dim(values, q.values, start, out_axis),
+            lax.dynamic_update_slice_in_dim(values, stored(q.values), start, out_axis),
             lax.dynamic_update_slice_in_dim(scales, q.scales, start, out_axis),
         )
 
+    # FP8 values are written into place as their bits (uint8): XLA:CPU writes FP8 slices
+    # element by element, 100x slower.
+    kept = jnp.dtype(jnp.uint8) if out.values.dtype.itemsize == 1 else out.values.dtype
+
+    def stored(values: jax.Array) -> jax.Array:
+        return lax.bitcast_convert_type(values, kept) if values.dtype != kept else values
+
     count, rest = divmod(x.shape[axis], size)
-    buffers = (
-        jnp.zeros(out.values.shape, out.values.dtype),
-        jnp.zeros(out.scales.shape, out.scales.dtype),
-    )
+    buffers = (jnp.zeros(out.values.shape, kept), jnp.zeros(out.scales.shape, out.scales.dtype))
     buffers = lax.fori_loop(0, count, lambda i, b: put(b, i * size, size), buffers)
     if rest:
         buffers = put(buffers, count * size, rest)
     values, scales = buffers
+    if values.dtype != out.values.dtype:
+        values = lax.bitcast_convert_type(values, out.values.dtype)
     return QuantizedArray(values, scales, recipe, out.dtype, out.contract, out.contract_shape)
 
 
