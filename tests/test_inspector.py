@@ -1693,3 +1693,63 @@ def test_figure_without_matplotlib_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         report.plot()
+
+
+# ---------------------------------------------------------------------------------------------
+# The line a large program gets: how many values will be measured.
+
+
+def test_a_large_program_says_how_many_values_it_measures(caplog):
+    def big(x):
+        return jnp.exp(jnp.sin(x)).sum()
+
+    n = 1 << 22  # two rows of 4M values each: 8.4M, under the threshold
+    with caplog.at_level("WARNING", logger="jaxmp.inspect"):
+        jax.eval_shape(jaxmp.inspect(big), jax.ShapeDtypeStruct((n,), jnp.float32))
+    assert caplog.records == []
+
+    def scanned(x):
+        with jax.named_scope("body"):
+            x = lax.scan(lambda c, _: (jnp.sin(c), None), x, length=3)[0]
+        with jax.named_scope("head"):
+            return x[:8].sum()
+
+    inspected = jaxmp.inspect(jax.value_and_grad(scanned), "mixed_float16")
+    with caplog.at_level("WARNING", logger="jaxmp.inspect"):
+        jax.eval_shape(inspected, jax.ShapeDtypeStruct((n,), jnp.float32))
+        jax.eval_shape(inspected, jax.ShapeDtypeStruct((n,), jnp.float32))  # traced once
+    (record,) = caplog.records
+    rows = len(jax.eval_shape(inspected, jax.ShapeDtypeStruct((8,), jnp.float32))[1].metas)
+    assert record.name == "jaxmp.inspect" and record.levelname == "WARNING"
+    message = record.getMessage()
+    assert "\n" not in message
+    # The scan's rows count each of its 3 iterations.
+    assert message.startswith(f"jaxmp.inspect(scanned): measuring {rows} op outputs, ")
+    assert re.search(r", (\d+\.\d)M values a call", message)
+    assert "every=16" in message and "modules=" in message
+    assert "logging.getLogger('jaxmp.inspect').setLevel('ERROR')" in message
+    # Sampling measures fewer: under the threshold, no line.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxmp.inspect"):
+        jax.eval_shape(
+            jaxmp.inspect(jax.value_and_grad(scanned), "mixed_float16", modules="head"),
+            jax.ShapeDtypeStruct((n,), jnp.float32),
+        )
+    assert caplog.records == []
+
+
+def test_measured_values_count_scan_iterations_and_while_bodies_once():
+    from jaxmp._src.inspector import api
+
+    def loops(x):
+        x = lax.scan(lambda c, _: (jnp.sin(c), None), x, length=5)[0]
+        # A while loop (its iterations known when it runs): its body counted once.
+        x = lax.while_loop(lambda c: c[0] < 7, lambda c: (c[0] + 1, jnp.cos(c[1])), (0, x))[1]
+        return jnp.exp(x)
+
+    _, report = jax.eval_shape(jaxmp.inspect(loops), jax.ShapeDtypeStruct((10,), jnp.float32))
+    by_op = {m.primitive: m for m in report.metas}
+    assert set(by_op) >= {"sin", "cos", "exp"}
+    assert api._measured_values(report.metas) == sum(
+        10 * (5 if m.primitive == "sin" else 1) for m in report.metas
+    )

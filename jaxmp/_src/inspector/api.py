@@ -4,6 +4,8 @@ re-interpretation core, and makes the `Report` of its measurements."""
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +21,29 @@ from jaxmp._src.inspector import locations
 from jaxmp._src.inspector import report as report_lib
 from jaxmp._src.inspector import rules as rules_lib
 from jaxmp._src.inspector import stats as stats_lib
+
+# `inspect`'s line for a large program: Python logging, not `warnings` (a warning would be an
+# error in a test suite run with ``filterwarnings = error``). WARNING is the level Python
+# shows without any logging set up; ``logging.getLogger("jaxmp.inspect").setLevel("ERROR")``
+# silences it.
+logger = logging.getLogger("jaxmp.inspect")
+
+# A program measuring more values than this a call gets the line: at the main job's cost on
+# CPU (BENCHMARKS.md: about 8.5 ns per measured value), 10M values add about 0.1 s a call.
+LARGE_PROGRAM_VALUES = 10_000_000
+
+_SCAN = re.compile(r"scan \((\d+) iterations\)")
+
+
+def _measured_values(metas: Sequence[locations._Meta]) -> int:
+    """The values the rows `metas` measure in one call: a row in a ``scan`` counts each
+    iteration (`interpret` names the loop ``"scan (N iterations)"``); a ``while`` loop's
+    body, whose iterations are known only when it runs, counts once."""
+    total = 0
+    for meta in metas:
+        iterations = math.prod(int(m[1]) for loop in meta.loops if (m := _SCAN.fullmatch(loop)))
+        total += math.prod(meta.shape) * iterations
+    return total
 
 
 def _computes_in_low_precision(jaxpr: Any) -> bool:
@@ -161,6 +186,17 @@ class Inspect:
         report = _make_report(
             interp.records, self.formats, reference, self._sampling(), rules.constants
         )
+        measured = _measured_values(report.metas)
+        if measured > LARGE_PROGRAM_VALUES:
+            logger.warning(
+                "jaxmp.inspect(%s): measuring %d op outputs, %.1fM values a call; inspected, "
+                "a train step ran about 10x as long as plain on CPU: inspect every N steps, "
+                "or measure a sample (every=16, modules='regex'). "
+                "logging.getLogger('jaxmp.inspect').setLevel('ERROR') silences this line.",
+                getattr(self._fun, "__name__", "fun"),
+                len(report.metas),
+                measured / 1e6,
+            )
         return outs, report
 
     def _sampling(self) -> str:
@@ -238,7 +274,11 @@ def inspect(
     Outputs of one dtype and of nearby sizes are measured together (padded with zeros to
     the longest: one set of kernels for all of them), so each is kept alive until the end
     of its loop body or jit body, or until 256 MiB of them wait: inspecting adds memory.
-    For a larger model, `every` and `modules` measure a sample of the ops.
+    For a larger model, `every` and `modules` measure a sample of the ops. A program that
+    measures more than `LARGE_PROGRAM_VALUES` (10 million) values a call says so in one line
+    when it is traced: how many op outputs and values (each iteration of a ``scan`` counted),
+    logged at WARNING to the ``"jaxmp.inspect"`` logger, not a Python warning
+    (``logging.getLogger("jaxmp.inspect").setLevel("ERROR")`` silences it).
 
     Args:
       fun: the function to inspect.
