@@ -22,7 +22,12 @@
 #    multiplies the loss before the backward pass and the optimizer divides it out;
 # 3. `jaxmp.mixed_precision` wraps an optax optimizer with loss scaling (and FP32 master weights
 #    when params are half precision), so a train step is ordinary optax code;
-# 4. `jaxmp.loss_scale_metrics` reports the scale and the skipped steps for logging.
+# 4. `jaxmp.loss_scale_metrics` reports the scale and the skipped steps for logging, and
+#    `jaxmp.plot_loss_scale` draws their history.
+#
+# In a notebook, jaxmp's objects show themselves as tables: a policy, the optimizer state (its
+# loss scale and skipped steps), and the reports of the precision inspector and of quantization
+# (`inspector_notebook.ipynb`).
 
 # %%
 import jax
@@ -49,6 +54,12 @@ for spec in ["f32", "mixed_float16", "mixed_bfloat16", "p=f16,c=f16,o=f32"]:
 policy = jaxmp.get_policy("mixed_float16")
 tree = {"w": jnp.ones(2), "step": jnp.array(3)}
 print(jax.tree.map(lambda x: x.dtype, policy.cast_to_compute(tree)))  # only floats are cast
+
+# %% [markdown]
+# A policy as a cell's value: its three dtypes, and whether it needs loss scaling.
+
+# %%
+policy
 
 # %% [markdown]
 # ## Why loss scaling
@@ -133,7 +144,7 @@ def train(spec, loss_scale=None, steps=300, lr=3e-3):
     for _ in range(steps):
         params, opt_state, loss, metrics = train_step(params, opt_state)
         history.append({"loss": float(loss), **{k: v.item() for k, v in metrics.items()}})
-    return params, history
+    return params, history, opt_state
 
 
 runs = {
@@ -149,7 +160,7 @@ runs = {
 # ## Metrics
 
 # %%
-for name, (params, history) in runs.items():
+for name, (params, history, _) in runs.items():
     last = history[-1]
     print(
         f"{name:>24}: param dtype {params[0]['w'].dtype}, final loss {last['loss']:.4f}, "
@@ -157,15 +168,24 @@ for name, (params, history) in runs.items():
     )
 
 # %%
-fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(10, 3.5))
-for name, (_, history) in runs.items():
-    ax_loss.plot([h["loss"] for h in history], label=name)
-    scales = [h["loss_scale"] for h in history]
-    line = ax_scale.step(range(len(scales)), scales, where="post", label=name)[0]
-    skipped = [i for i, h in enumerate(history) if not h["grads_finite"]]
-    ax_scale.plot(skipped, [scales[i] for i in skipped], "x", color=line.get_color())
-ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
-ax_scale.set(xlabel="step", ylabel="loss scale", title="loss scale (x: skipped step)")
-ax_scale.set_yscale("log", base=2)
-ax_loss.legend()
+fig, ax = plt.subplots(figsize=(9, 3))
+for name, (_, history, _) in runs.items():
+    ax.plot([h["loss"] for h in history], label=name)
+ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
+ax.legend()
 fig.tight_layout()
+
+# %% [markdown]
+# The optimizer state of the mixed_float16 run: its loss scale, whether the last step was
+# finite, and the steps skipped (gradients not finite: the update left out, the scale halved).
+
+# %%
+_, history, opt_state = runs["mixed_float16"]
+opt_state
+
+# %% [markdown]
+# `jaxmp.plot_loss_scale` draws the history of the metrics the train step returned: the loss
+# scale grows every 25 finite steps and halves at each skipped step (x).
+
+# %%
+fig = jaxmp.plot_loss_scale(history, title="mixed_float16, DynamicLossScale(2^15, period=25)")

@@ -2,13 +2,16 @@
 
 A page's ```python blocks run in order in one fresh namespace, as a reader pastes them one
 after the other; the blocks assert what the page claims (the loss falls, a dtype, a skipped
-step counted). Two HTML comments change how a page or a block runs:
+step counted). Three HTML comments change how a page or a block runs:
 
 * ``<!-- excerpt: path/to/file.py -->`` right before a block: the block is an excerpt of that
   file, which must exist and contain every line of the block that is not blank, a comment or
   ``...`` (a trailing comment is the page's own); it is not run (the file's own test runs it).
 * ``<!-- docs-test: devices=8 -->`` anywhere in a page: the page runs in a process of its own
   with that many simulated CPU devices (``python -m tests.test_docs PAGE``).
+* ``<!-- docs-test: shows EXPR -->`` right before a ``<div class="jaxmp-display">`` block: a
+  rendered example (what a notebook shows); once the page has run, ``EXPR`` evaluated in its
+  namespace (``report._repr_html_(figure=False)``) must give that block exactly.
 
 Fenced blocks in other languages (bash, text) are not run; every fence must name one of the
 languages in `LANGUAGES`, so that no Python block goes unnoticed.
@@ -34,6 +37,12 @@ _FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>\S*)[^\n]*\n(?P<body>.*?)^(?P
                     re.M | re.S)  # fmt: skip
 _EXCERPT = re.compile(r"<!--\s*excerpt:\s*(?P<path>\S+)\s*-->\s*$")
 _DEVICES = re.compile(r"<!--\s*docs-test:\s*devices=(?P<n>\d+)\s*-->")
+_SHOWS = re.compile(r"<!--\s*docs-test:\s*shows\b")
+_SHOWN = re.compile(
+    r"<!--\s*docs-test:\s*shows\s+(?P<expr>[^\n]+?)\s*-->[ ]*\n"
+    r"(?P<html><div class=\"jaxmp-display\">\n.*?\n</div>)$",
+    re.M | re.S,
+)
 
 
 @dataclass(frozen=True)
@@ -76,8 +85,26 @@ def run_page(page: pathlib.Path) -> dict:
     return namespace
 
 
+def check_shown(page: pathlib.Path, namespace: dict) -> None:
+    """Each rendered example of the page (``<!-- docs-test: shows EXPR -->``) is what
+    ``EXPR`` gives in the namespace the page's blocks ran in."""
+    text = page.read_text()
+    found = list(_SHOWN.finditer(text))
+    assert len(found) == len(_SHOWS.findall(text)), (
+        f"{_name(page)}: a `docs-test: shows` comment must be followed, on the next line, by "
+        '`<div class="jaxmp-display">` and its lines up to a line `</div>`'
+    )
+    for match in found:
+        line = text.count("\n", 0, match.start()) + 1
+        actual = eval(match["expr"], namespace)
+        assert actual == match["html"], (
+            f"{_name(page)}:{line}: the HTML shown is not what `{match['expr']}` gives now; "
+            f"paste it in its place:\n{actual}"
+        )
+
+
 def _name(page: pathlib.Path) -> str:
-    return str(page.relative_to(ROOT))
+    return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else page.name
 
 
 def _devices(page: pathlib.Path) -> int | None:
@@ -109,7 +136,7 @@ def _page_param(page: pathlib.Path) -> object:
 def test_page_runs(page):
     devices = _devices(page)
     if devices is None:
-        run_page(page)
+        check_shown(page, run_page(page))
         return
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     env["JAX_PLATFORMS"] = "cpu"
@@ -277,6 +304,27 @@ def test_api_glance_names_every_public_function_and_recipe():
     assert not missing, f"add a row to the At a glance table of docs/api/index.md: {missing}"
 
 
+def test_a_rendered_example_is_checked(tmp_path):
+    block = (
+        "```python\n"
+        "class Shown:\n"
+        "    def _repr_html_(self):\n"
+        "        return '<div class=\"jaxmp-display\">\\n<p>now</p>\\n</div>'\n"
+        "shown = Shown()\n"
+        "```\n\n"
+        "<!-- docs-test: shows shown._repr_html_() -->\n"
+    )
+    page = tmp_path / "page.md"
+    page.write_text(block + '<div class="jaxmp-display">\n<p>now</p>\n</div>\n')
+    check_shown(page, run_page(page))
+    page.write_text(block + '<div class="jaxmp-display">\n<p>before</p>\n</div>\n')
+    with pytest.raises(AssertionError, match=r"page.md:8: the HTML shown is not what"):
+        check_shown(page, run_page(page))
+    page.write_text(block + "\n<p>now</p>\n")
+    with pytest.raises(AssertionError, match=r"must be followed, on the next line"):
+        check_shown(page, run_page(page))
+
+
 def test_links_to_local_files_resolve():
     for page in pages():
         text = page.read_text()
@@ -299,4 +347,4 @@ def test_examples_readme_lists_every_example():
 if __name__ == "__main__":
     # `python -m tests.test_docs PAGE`: run one page here (test_page_runs uses it for pages
     # that need simulated devices, which must be set up before jax is imported).
-    run_page(ROOT / sys.argv[1])
+    check_shown(ROOT / sys.argv[1], run_page(ROOT / sys.argv[1]))

@@ -189,12 +189,13 @@ class Inspect:
         measured = _measured_values(report.metas)
         if measured > LARGE_PROGRAM_VALUES:
             logger.warning(
-                "jaxmp.inspect(%s): measuring %d op outputs, %.1fM values a call; inspected, "
+                "jaxmp.inspect(%s): measuring %d op output%s, %.1fM values a call; inspected, "
                 "a train step ran about 10x as long as plain on CPU: inspect every N steps, "
                 "or measure a sample (every=16, modules='regex'). "
                 "logging.getLogger('jaxmp.inspect').setLevel('ERROR') silences this line.",
                 getattr(self._fun, "__name__", "fun"),
                 len(report.metas),
+                "" if len(report.metas) == 1 else "s",
                 measured / 1e6,
             )
         return outs, report
