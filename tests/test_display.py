@@ -296,3 +296,14 @@ def test_report_html_of_a_large_program_is_bounded():
     assert len(table) == 1 + display.MAX_ROWS
     assert f"{display.MAX_ROWS} worst of {len(report)} rows shown" in text
     assert len(text) < 400_000  # the figure pools the modules past its 32
+
+
+def test_abstract_values_show_no_table():
+    # Shapes without values (`jax.eval_shape`) have nothing to show: Jupyter shows the repr.
+    state = jax.eval_shape(lambda: _skipped_state())
+    assert state._repr_html_() is None
+    _, report = jax.eval_shape(jaxmp.inspect(jnp.sin), jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert report._repr_html_() is None
+    printed = []
+    report._repr_pretty_(type("P", (), {"text": lambda self, t: printed.append(t)})(), False)
+    assert printed == [repr(report)]

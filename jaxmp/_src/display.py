@@ -5,8 +5,8 @@ display by its ``_repr_pretty_``; `repr` itself stays the object's own. This mod
 pieces the displays share: escaping (every name a user chose, a module path or a param path,
 is text, never markup), an HTML table and its plain-text twin, at most `MAX_ROWS` rows with a
 note of how many more, a matplotlib figure inlined as a PNG, and the tuples that jaxmp's
-listings return (`QuantizationPlan`, `Float8Matmuls`). It imports nothing of jaxmp: each
-module that displays an object imports it.
+listings return (`QuantizationPlan`, `Float8Matmuls`). It imports nothing of jaxmp but
+`compat`: each module that displays an object imports it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,21 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from jaxmp._src import compat
+
 # Rows a display shows at most; the rest are counted in a note.
 MAX_ROWS = 20
+
+
+def concrete(tree: Any) -> bool:
+    """Whether every leaf of `tree` holds values to show: not traced, not a shape alone
+    (`jax.eval_shape`'s ``ShapeDtypeStruct``). A display of other leaves returns None, and
+    Jupyter shows the object's repr."""
+    return all(
+        isinstance(x, (np.ndarray, np.generic, int, float, bool))
+        or (isinstance(x, jax.Array) and not isinstance(x, compat.Tracer))
+        for x in jax.tree.leaves(tree)
+    )
 
 
 def escape(value: Any) -> str:
@@ -132,10 +145,12 @@ def figure_html(fig: Any, *, alt: str, dpi: int = 80) -> str:
 
 
 def pretty(text: Callable[[Any], str]) -> Callable[[Any, Any, bool], None]:
-    """A ``_repr_pretty_`` method printing ``text(self)``: IPython's plain-text display."""
+    """A ``_repr_pretty_`` method printing ``text(self)``: IPython's plain-text display (the
+    repr where the object's ``_concrete()`` says it holds no values)."""
 
     def _repr_pretty_(self: Any, printer: Any, cycle: bool) -> None:
-        printer.text(repr(self) if cycle else text(self))
+        shown = not cycle and getattr(self, "_concrete", lambda: True)()
+        printer.text(text(self) if shown else repr(self))
 
     return _repr_pretty_
 

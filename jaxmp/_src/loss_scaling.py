@@ -36,14 +36,13 @@ class LossScalingState(NamedTuple):
 
     def _repr_html_(self) -> str | None:
         """The state in a notebook: the loss scale and the skipped steps, as a table (None
-        under a trace, where there are no values to show)."""
+        under a trace or of shapes alone, where there are no values to show)."""
         return _state_html(self)
 
 
 def _state_html(state: LossScalingState) -> str | None:
     scale = state.loss_scale
-    shown = (scale.loss_scale, state.grads_finite, state.skipped_steps)
-    if any(isinstance(x, compat.Tracer) for x in jax.tree.leaves((scale, *shown))):
+    if not display.concrete((scale, state.grads_finite, state.skipped_steps)):
         return None
 
     def step(finite: bool) -> str:

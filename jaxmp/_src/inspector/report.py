@@ -721,9 +721,15 @@ class Report:
             f"{suggestion.format} there"
         )
 
-    def _repr_html_(self, figure: bool = True) -> str:
+    def _concrete(self) -> bool:
+        return display.concrete((self.stats, self.source_counts))
+
+    def _repr_html_(self, figure: bool = True) -> str | None:
         """The report in a notebook: its header (the first non-finite value, the suggested
-        loss scale), the `display.MAX_ROWS` worst rows as a table, and the figure (`plot`)."""
+        loss scale), the `display.MAX_ROWS` worst rows as a table, and the figure (`plot`);
+        None for a report holding no values (traced, or from `jax.eval_shape`)."""
+        if not self._concrete():
+            return None
         rows = self.worst(display.MAX_ROWS)
         header = self._header()
         cells = [
