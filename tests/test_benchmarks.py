@@ -2,6 +2,7 @@
 except that they exist and the byte ratios keep their order)."""
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -51,6 +52,33 @@ def test_inspect_cost_quick_runs_and_traces_each_step_once(extra):
     assert ("row statistics" in out) == (not extra), out
     compared = "no float32 reference" if "--no-reference" in extra else "with a float32 reference"
     assert compared in out, out
+
+
+def test_memory_at_scale_measures_a_call_in_a_process_of_its_own(tmp_path):
+    # Two rows of a small leaf: each measured in its own process, its bound judged, the rows
+    # written as JSON and printed again from it without measuring.
+    rows = tmp_path / "rows.json"
+    only = ("--only", "head|quantize int8|eager")
+    out = run_script(
+        "memory_at_scale.py",
+        "--rows",
+        "256",
+        "--cols",
+        "2048",
+        "--no-stack",
+        *only,
+        "--json",
+        str(rows),
+        timeout=300,
+    )
+    line = "| head | quantize int8 | eager | 0.001 GB |"
+    assert line in out and "over what it returns: yes |" in out, out
+    (row,) = json.loads(rows.read_text())
+    assert row["kind"] == "quantize" and row["leaf_bytes"] == 256 * 2048 * 2
+    assert row["returned"] == 256 * 2048 + 2048 * 4  # int8 values and a float32 scale each
+    assert 0 < row["first_extra"] and 0 <= row["warm_extra"]
+    again = run_script("memory_at_scale.py", "--table", str(rows), timeout=120)
+    assert line in again
 
 
 @pytest.mark.slow  # two minutes on 2 CPU cores: every row of the GPU script, compiled
