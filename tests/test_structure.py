@@ -356,6 +356,13 @@ jaxmp.Inspect: class(fun: 'Callable[..., Any]', policy: 'policy_lib.Policy | Non
 jaxmp.Int4WeightOnly: class(group_size: 'int' = 128) -> None
 jaxmp.Int8DynamicActivations: class() -> None
 jaxmp.Int8WeightOnly: class() -> None
+jaxmp.KVCache: class(keys: 'jax.Array', values: 'jax.Array', key_scales: 'jax.Array | None', value_scales: 'jax.Array | None', format: 'str | None', dtype: 'Any', block_size: 'int') -> None
+jaxmp.KVCache.attend: (self, query: 'jax.Array', pos: 'jax.typing.ArrayLike', *, scale: 'float | None' = None) -> 'jax.Array'
+jaxmp.KVCache.create: (cls, shape: 'Sequence[int]', format: 'str | None', *, dtype: 'jax.typing.DTypeLike' = 'bfloat16', block_size: 'int | None' = None, sharding: 'jax.sharding.Sharding | None' = None) -> 'KVCache'
+jaxmp.KVCache.nbytes: property
+jaxmp.KVCache.read: (self) -> 'tuple[jax.Array, jax.Array]'
+jaxmp.KVCache.shape: property
+jaxmp.KVCache.update: (self, keys: 'jax.Array', values: 'jax.Array', pos: 'jax.typing.ArrayLike') -> 'KVCache'
 jaxmp.KahanSummationState: class(compensation: 'Any', inner_state: 'Any')
 jaxmp.LOW_PRECISION_OPS: frozenset
 jaxmp.LossScale: class()

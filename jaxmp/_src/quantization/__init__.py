@@ -1,3 +1,4 @@
 """Quantised inference: the recipes and `QuantizedArray` (`recipes`), quantising a leaf at
-real sizes (`leaf`), which leaves are matmul weights and `quantize` (`plan`), and running a
-function on quantised params (`rules`)."""
+real sizes (`leaf`), which leaves are matmul weights and `quantize` (`plan`), running a
+function on quantised params (`rules`), and the int8/FP8 key/value cache of a decode loop
+(`kv_cache`)."""
