@@ -181,7 +181,8 @@ def _quantize(
 
     # FP8 values are written into place as their bits (uint8): XLA:CPU writes FP8 slices
     # element by element, 100x slower.
-    kept = jnp.dtype(jnp.uint8) if out.values.dtype.itemsize == 1 else out.values.dtype
+    fp8 = jnp.issubdtype(out.values.dtype, jnp.floating)
+    kept = jnp.dtype(jnp.uint8) if fp8 else out.values.dtype
 
     def stored(values: jax.Array) -> jax.Array:
         return lax.bitcast_convert_type(values, kept) if values.dtype != kept else values
