@@ -847,7 +847,10 @@ def test_jaxmps_own_ops_are_recognised_however_they_are_called(form, tmp_path):
     x = jax.random.normal(jax.random.key(1), (4, 8))
     _, report = jaxmp.inspect(fun, "mixed_float16")(w, x)  # CALL inspect
     scaled = [r for r in report.rows if r.ref_max_abs >= 2.0**15]
-    assert {(r.primitive, r.phase) for r in scaled} == {("mul", "forward"), ("mul", "backward")}
+    # The backward pass's seed, and the scaled loss where JAX keeps it (jax 0.8 prunes the
+    # forward product, whose value jaxmp.value_and_grad does not return).
+    found = {(r.primitive, r.phase) for r in scaled}
+    assert ("mul", "backward") in found and found <= {("mul", "forward"), ("mul", "backward")}
     assert all(r.library == "jaxmp" and r.overflow["float16"] == 1.0 for r in scaled)
     assert all((r.file, r.line) == (__file__, fault_line_of(marker)) for r in scaled)
     users = [r for r in report.rows if r.function == "own_loss"]
