@@ -67,7 +67,11 @@ def test_quantization_plan_shows_a_table_of_its_leaves():
     (table,) = parsed.tables
     assert table[0] == ["leaf", "quantised", "why"]
     assert table[1:] == [
-        ["b", "no", "not a matmul weight (used by broadcast_in_dim)"],
+        [
+            "b",
+            "no",
+            "not a matmul weight: added to the activations (a bias; after broadcast_in_dim)",
+        ],
         ["v", "yes", "matmul weight, contracted over axes (0,)"],
         ["w", "yes", "matmul weight, contracted over axes (0,)"],
     ]

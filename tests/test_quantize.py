@@ -5,6 +5,7 @@ import re
 import sys
 
 import equinox as eqx
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -744,3 +745,71 @@ def test_quantising_twice_is_an_error_naming_the_leaf():
             jaxmp.quantize(fun, q, x, recipe="int4")
         with pytest.raises(ValueError, match=message):
             jaxmp.quantization_plan(fun, q, x, recipe="int8")
+
+
+def test_weak_typed_leaves_under_jit_and_strict_promotion():
+    # Under jax.jit a Python scalar leaf is a weakly typed tracer; the plan's trace of the
+    # function must see it so (an int32 times a float16 is an error under strict promotion,
+    # a weak int is not).
+    p = {"w": _attack_weight(jnp.float32)["w"], "n": 3}
+    x = jax.random.normal(jax.random.key(12), (2, 64)).astype(jnp.float16)
+
+    def f(p, x):
+        return (x @ p["w"].astype(x.dtype)) * p["n"]
+
+    with jax.numpy_dtype_promotion("strict"):
+        q = jax.jit(lambda p, x: jaxmp.quantize(f, p, x, recipe="int8"))(p, x)
+        plan = jaxmp.quantization_plan(f, p, x, recipe="int8")
+    assert isinstance(q["w"], jaxmp.QuantizedArray) and plan[0].quantized
+
+
+def test_int4_dequantize_keeps_the_axes_of_a_weight_of_three_axes():
+    # An attention projection (d_model, heads, head_dim) contracting its first axis: the
+    # values are stored by output channel (heads, head_dim, d_model); dequantised, the weight
+    # has its own shape and values again.
+    w = jnp.asarray(_weights((64, 96)).reshape(64, 4, 24))
+    q = leaf_lib.quantize_array(w, (0,), RECIPES["int4"])
+    assert q.shape == (64, 4, 24)
+    deq = q.dequantize()
+    assert deq.shape == (64, 4, 24)
+    two_axes = leaf_lib.quantize_array(w.reshape(64, 96), (0,), RECIPES["int4"]).dequantize()
+    np.testing.assert_array_equal(np.asarray(deq).reshape(64, 96), np.asarray(two_axes))
+
+
+def test_the_plan_says_what_a_leaf_that_is_not_quantised_is():
+    # Followed through the layout ops before the op that uses it (a Flax bias is reshaped,
+    # then added): the reason names the use, not the reshape.
+    class Model(linen.Module):
+        @linen.compact
+        def __call__(self, tokens):
+            h = linen.LayerNorm()(linen.Embed(10, 8)(tokens))
+            return linen.Dense(4)(h)
+
+    model = Model()
+    tokens = jnp.zeros((2,), jnp.int32)
+    variables = model.init(jax.random.key(0), tokens)
+    plan = {
+        leaf.path: leaf.reason
+        for leaf in jaxmp.quantization_plan(model.apply, variables, tokens, recipe="int8")
+    }
+    bias = "not a matmul weight: added to the activations (a bias; after reshape)"
+    assert plan["params/Dense_0/bias"] == plan["params/LayerNorm_0/bias"] == bias
+    assert plan["params/LayerNorm_0/scale"] == (
+        "not a matmul weight: multiplies the activations (a scale; after reshape)"
+    )
+    assert plan["params/Embed_0/embedding"] == "not a matmul weight: read by gather (an embedding)"
+    assert plan["params/Dense_0/kernel"] == "matmul weight, contracted over axes (0,)"
+
+    def tied(p, tokens):
+        return p["embed"][tokens] @ p["embed"].T
+
+    (leaf,) = jaxmp.quantization_plan(tied, {"embed": jnp.ones((10, 8))}, tokens, recipe="int8")
+    assert leaf.reason == "a matmul weight also read by gather (an embedding)"
+
+    def reshaped(p, x):
+        return x @ p["w"].reshape(8, 4)
+
+    (leaf,) = jaxmp.quantization_plan(
+        reshaped, {"w": jnp.ones(32)}, jnp.ones((1, 8)), recipe="int8"
+    )
+    assert leaf.reason == "not a matmul weight: reshaped or broadcast before its matmul (reshape)"

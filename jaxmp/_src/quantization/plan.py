@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxmp._src import compat
+from jaxmp._src import compat, interpret
 from jaxmp._src.display import QuantizationPlan
 from jaxmp._src.patterns import compile_exclude
 from jaxmp._src.quantization import leaf as leaf_lib
@@ -62,10 +62,12 @@ class QuantizedLeaf(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Origin:
     """A jaxpr value that is a param leaf seen through layout ops: axis i of the value is
-    axis ``axes[i]`` of the leaf."""
+    axis ``axes[i]`` of the leaf; None after a layout op whose axes are not followed
+    (`_RESHAPING`, named in `after`), which only tells what the leaf is used for."""
 
     leaf: int
-    axes: tuple[int, ...]
+    axes: tuple[int, ...] | None
+    after: tuple[str, ...] = ()
 
 
 # Call-like primitives whose body takes the equation's operands one to one, and the parameter
@@ -81,6 +83,21 @@ _CALLS = {
     "custom_vjp_call": "call_jaxpr",
 }
 _SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p"})
+# Layout ops followed to the op that uses their result, for `quantization_plan`'s reason (a
+# Flax bias is reshaped, then added): a leaf seen through one is not a matmul weight.
+_RESHAPING = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "rev", "slice"})
+# What a leaf is, from the op that uses it.
+_USED_AS = {
+    "add": "added to the activations (a bias)",
+    "add_any": "added to the activations (a bias)",
+    "sub": "added to the activations (a bias)",
+    "mul": "multiplies the activations (a scale)",
+    "div": "divides the activations (a scale)",
+    "gather": "read by gather (an embedding)",
+    "dynamic_slice": "read by dynamic_slice (an embedding)",
+    "dot_general": "reshaped or broadcast before its matmul",
+    "returned": "returned by the function",
+}
 
 
 def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None:
@@ -97,7 +114,8 @@ def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None
     def other(name: str, found: Sequence[_Origin | None]) -> None:
         for o in found:
             if o is not None:
-                uses[o.leaf].add(("other", name))
+                after = f" after {', '.join(o.after)}" if o.after else ""
+                uses[o.leaf].add(("other", name + after))
 
     for eqn in jaxpr.eqns:
         found = [tracked(v) for v in eqn.invars]
@@ -107,16 +125,22 @@ def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None
         if name == "dot_general":
             (lc, rc), _ = params["dimension_numbers"]
             for o, dims in zip(found, (lc, rc), strict=True):
-                if o is not None:
+                if o is None:
+                    continue
+                if o.axes is None:
+                    other(name, [o])
+                else:
                     uses[o.leaf].add(("dot", tuple(sorted(o.axes[d] for d in dims))))
         elif name in _SAME_LAYOUT and is_float_dtype(eqn.outvars[0].aval.dtype):
             origins[eqn.outvars[0]] = found[0]  # type: ignore[assignment]
         elif name == "transpose":
             o = found[0]
             assert o is not None
-            origins[eqn.outvars[0]] = _Origin(
-                o.leaf, tuple(o.axes[p] for p in params["permutation"])
-            )
+            axes = None if o.axes is None else tuple(o.axes[p] for p in params["permutation"])
+            origins[eqn.outvars[0]] = _Origin(o.leaf, axes, o.after)
+        elif name in _RESHAPING and sum(o is not None for o in found) == 1 and found[0]:
+            o = found[0]
+            origins[eqn.outvars[0]] = _Origin(o.leaf, None, (*o.after, name))
         elif name in _CALLS:
             sub, _ = compat.jaxpr_and_consts(params[_CALLS[name]])
             if len(sub.invars) != len(found):
@@ -132,7 +156,9 @@ def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None
                 sub.invars[n_consts + n_carry :], found[n_consts + n_carry :], strict=True
             ):
                 # Each iteration sees the leaf without its leading (stacked) axis.
-                pairs.append((var, None if o is None else _Origin(o.leaf, o.axes[1:])))
+                if o is not None:
+                    o = _Origin(o.leaf, None if o.axes is None else o.axes[1:], o.after)
+                pairs.append((var, o))
             recurse(params["jaxpr"], pairs)
         elif name == "while":
             n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
@@ -153,7 +179,7 @@ def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None
     for var in jaxpr.outvars:
         o = tracked(var)
         if o is not None:
-            uses[o.leaf].add(("other", "returned"))
+            other("returned", [o])
 
 
 def _key_name(key: Any) -> str:
@@ -206,7 +232,8 @@ def _plan(
             full[i] = v
         return fun(jax.tree.unflatten(treedef, full), *args, **kwargs)
 
-    structs = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in arrays]
+    # Weak types kept (a Python scalar leaf under jax.jit): they decide the traced dtypes.
+    structs = [interpret.shape_struct(leaves[i]) for i in arrays]
     closed = jax.make_jaxpr(flat)(*structs)
     uses: list[set[Any]] = [set() for _ in arrays]
     origins = {
@@ -235,6 +262,20 @@ def _plan(
     return recipe, leaves, treedef, decisions
 
 
+def _used_as(others: Sequence[str]) -> str:
+    """What the uses of a leaf (``"add after reshape"``, ``"gather"``) say it is, each with
+    the ops it went through: ``"added to the activations (a bias; after reshape)"``."""
+    said = []
+    for use in others:
+        name, _, after = use.partition(" after ")
+        text = _USED_AS.get(name, f"used by {name}")
+        if after:
+            text = text[:-1] + f"; after {after})" if text.endswith(")") else f"{text} ({after})"
+        if text not in said:
+            said.append(text)
+    return ", ".join(said)
+
+
 def _decide(
     path: str,
     index: int,
@@ -251,10 +292,10 @@ def _decide(
     others = sorted(name for kind, name in uses if kind == "other")
     dots = sorted({axes for kind, axes in uses if kind == "dot"})
     if not dots:
-        used = f"used by {', '.join(others)}" if others else "unused"
-        return _Decision(path, index, None, f"not a matmul weight ({used})")
+        used = _used_as(others) if others else "unused"
+        return _Decision(path, index, None, f"not a matmul weight: {used}")
     if others:
-        return _Decision(path, index, None, f"a matmul weight also used by {', '.join(others)}")
+        return _Decision(path, index, None, f"a matmul weight also {_used_as(others)}")
     if len(dots) > 1:
         shown = " and ".join(str(d) for d in dots)
         return _Decision(path, index, None, f"matmuls contract different axes: {shown}")
@@ -293,7 +334,7 @@ def quantization_plan(
       >>> p = {"b": jnp.zeros(4), "v": jnp.ones((4, 2)), "w": jnp.ones((8, 4))}
       >>> for leaf in jaxmp.quantization_plan(mlp, p, jnp.ones((1, 8)), recipe="int8"):
       ...     print(leaf.path, leaf.quantized, leaf.reason)
-      b False not a matmul weight (used by broadcast_in_dim)
+      b False not a matmul weight: added to the activations (a bias; after broadcast_in_dim)
       v True matmul weight, contracted over axes (0,)
       w True matmul weight, contracted over axes (0,)
     """
