@@ -1,27 +1,32 @@
-"""Generation with quantised weights: a decoder's tokens/s and memory, bfloat16 against each
-`jaxmp.quantize` recipe, and the int8/FP8 GEMMs of its compiled programs.
+"""Generation with quantised weights and a quantised key/value cache: a decoder's tokens/s and
+memory, bfloat16 against each `jaxmp.quantize` recipe and each `jaxmp.KVCache` format, and the
+int8/FP8 GEMMs of its compiled programs.
 
 The model is a pre-norm transformer decoder in plain JAX (`Config`; params a dict, layers
-stacked and run by `lax.scan`, a key/value cache), bfloat16 params and activations, attention
-scores and softmax in float32. Its function ``step(params, cache, tokens, pos)`` runs
-``tokens`` (``(batch, length)``) at positions ``pos, pos + 1, ...`` against the cache and
-returns the next token's logits and the cache; it is the unmodified model for every row, run
-by `jaxmp.quantized` with params from `jaxmp.quantize` (the matmul weights, the head
-included, found from the function; the embedding is a lookup and stays bfloat16).
+stacked and run by `lax.scan`, a `jaxmp.KVCache` stacked the same way), bfloat16 params and
+activations, attention scores and softmax in float32. Its function ``step(params, cache,
+tokens, pos)`` runs ``tokens`` (``(batch, length)``) at positions ``pos, pos + 1, ...``
+against the cache and returns the next token's logits and the cache; it is the unmodified
+model for every row, run by `jaxmp.quantized` with params from `jaxmp.quantize` (the matmul
+weights, the head included, found from the function; the embedding is a lookup and stays
+bfloat16).
 
-For each batch size (1 and 64) and each of bfloat16, ``int8``, ``int8_dynamic``, ``fp8`` and
-``int4``: **decode**: ``new_tokens`` greedy steps of one token per sequence in one jitted
-``lax.fori_loop`` (each step reads every weight once: memory-bound at batch 1), tokens/s =
-``batch * new_tokens / median time``; **prefill**: the ``prompt`` tokens of each sequence in
-one call, tokens/s = ``batch * prompt / median time``; the bytes of the params, the compiled
-decode program's temporaries (``memory_analysis()``), and the low-precision GEMMs: the
-``dot_general``s of the lowered decode program whose operands are both int8 or both FP8
-(`_hlo.quantized_gemms`) and the GEMMs of the compiled program reading an int8, int4 or FP8
-operand (`_hlo.compiled_low_precision_gemms`: XLA's cuBLAS or Triton calls on a GPU, where a
+For each batch size (1 and 64), each of bfloat16, ``int8``, ``int8_dynamic``, ``fp8`` and
+``int4`` with a bfloat16 cache, and bfloat16 weights with an int8 and an FP8 cache (``int8
+KV``, ``fp8 KV``: one scale per head and position, the attention reading the one-byte values
+with the scales applied outside its products): **decode**: ``new_tokens`` greedy steps of one
+token per sequence in one jitted ``lax.fori_loop`` (each step reads every weight once and the
+whole cache: memory-bound), tokens/s = ``batch * new_tokens / median time``; **prefill**: the
+``prompt`` tokens of each sequence in one call, tokens/s = ``batch * prompt / median time``;
+the bytes of the params and of the cache, the compiled decode program's temporaries
+(``memory_analysis()``), and the low-precision GEMMs: the ``dot_general``s of the lowered
+decode program whose operands are both int8 or both FP8 (`_hlo.quantized_gemms`) and the GEMMs
+of the compiled program reading an int8, int4 or FP8 operand
+(`_hlo.compiled_low_precision_gemms`: XLA's cuBLAS or Triton calls on a GPU, where a
 weight-only int8 GEMM reads its int8 weight only if XLA fused the conversion into it). The
 lines after the table give the ratios the targets are about (on a GPU: int8 weight-only decode
-at batch 1 >= 1.5x bfloat16's tokens/s at d_model 4096; int8 weights + activations or FP8
-prefill at batch 64 >= 1.3x).
+at batch 1 >= 1.5x bfloat16's tokens/s at d_model 4096; an int8 cache's decode at batch 64
+>= 1.2x the bfloat16 cache's; int8 weights + activations or FP8 prefill at batch 64 >= 1.3x).
 
 Run from the repository root (a part of `gpu_benchmark.py` too)::
 
@@ -52,6 +57,7 @@ from jax import lax  # noqa: E402
 import jaxmp  # noqa: E402
 
 RECIPES = ("int8", "int8_dynamic", "fp8", "int4")
+KV_CACHES = ("int8", "fp8")  # rows "int8 KV" and "fp8 KV": bfloat16 weights, a quantised cache
 BATCHES = (1, 64)
 
 
@@ -100,9 +106,11 @@ def init_params(config: Config, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def empty_cache(config: Config, batch: int) -> dict[str, jax.Array]:
-    shape = (config.layers, batch, config.context, config.d_model)
-    return {"k": jnp.zeros(shape, BF16), "v": jnp.zeros(shape, BF16)}
+def empty_cache(config: Config, batch: int, kv_cache: str | None = None) -> jaxmp.KVCache:
+    """An empty cache of every layer, ``(layers, batch, context, heads, head_dim)``: bfloat16
+    (`kv_cache` None), or ``"int8"`` or ``"fp8"`` read back in bfloat16."""
+    shape = (config.layers, batch, config.context, config.heads, config.d_model // config.heads)
+    return jaxmp.KVCache.create(shape, kv_cache, dtype=BF16)
 
 
 def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -116,34 +124,27 @@ def make_step(config: Config) -> Any:
     heads, d = config.heads, config.d_model
     head_dim = d // heads
 
-    def attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array) -> jax.Array:
-        batch, length, _ = q.shape
-        q = q.reshape(batch, length, heads, head_dim)
-        k = k.reshape(batch, config.context, heads, head_dim)
-        v = v.reshape(batch, config.context, heads, head_dim)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(head_dim)
-        visible = jnp.arange(config.context)[None, :] <= (pos + jnp.arange(length))[:, None]
-        scores = jnp.where(visible, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, length, d)
-
     def layer(x: jax.Array, layer_and_cache: Any, pos: jax.Array) -> Any:
-        p, k_cache, v_cache = layer_and_cache
+        p, cache = layer_and_cache
+        batch, length, _ = x.shape
         h = _rms_norm(x, p["norm1"])
-        k_cache = lax.dynamic_update_slice_in_dim(k_cache, h @ p["wk"], pos, axis=1)
-        v_cache = lax.dynamic_update_slice_in_dim(v_cache, h @ p["wv"], pos, axis=1)
-        x = x + attention(h @ p["wq"], k_cache, v_cache, pos) @ p["wo"]
+
+        def split(y: jax.Array) -> jax.Array:
+            return y.reshape(batch, length, heads, head_dim)
+
+        cache = cache.update(split(h @ p["wk"]), split(h @ p["wv"]), pos)
+        attended = cache.attend(split(h @ p["wq"]), pos).reshape(batch, length, d)
+        x = x + attended @ p["wo"]
         h = _rms_norm(x, p["norm2"])
         x = x + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
-        return x, (k_cache, v_cache)
+        return x, cache
 
     def step(params: Any, cache: Any, tokens: jax.Array, pos: jax.Array) -> Any:
         x = jnp.take(params["embed"], tokens, axis=0)
         body = functools.partial(layer, pos=pos)
-        x, (k, v) = lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+        x, cache = lax.scan(body, x, (params["layers"], cache))
         logits = _rms_norm(x[:, -1], params["norm"]) @ params["head"]
-        return logits.astype(jnp.float32), {"k": k, "v": v}
+        return logits.astype(jnp.float32), cache
 
     return step
 
@@ -179,7 +180,7 @@ def quantize_params(config: Config, params: Any, recipe: str | None, cache: Any)
     step, traced with `cache` and one token per sequence."""
     if recipe is None:
         return params
-    tokens = jnp.zeros((cache["k"].shape[1], 1), jnp.int32)
+    tokens = jnp.zeros((cache.shape[1], 1), jnp.int32)
     pos = jnp.zeros((), jnp.int32)
     return jaxmp.quantize(make_step(config), params, cache, tokens, pos, recipe=recipe)
 
@@ -194,10 +195,16 @@ def _timed(compiled: Any, args: tuple[Any, ...], repeats: int) -> float:
 
 
 def measure_row(
-    config: Config, params: Any, recipe: str | None, batch: int, repeats: int
+    config: Config,
+    params: Any,
+    recipe: str | None,
+    batch: int,
+    repeats: int,
+    kv_cache: str | None = None,
 ) -> dict[str, Any]:
-    """One row: `recipe` (None: bfloat16) at `batch`."""
-    cache = empty_cache(config, batch)
+    """One row: `recipe` (None: bfloat16) at `batch`, with a `kv_cache` cache (None:
+    bfloat16)."""
+    cache = empty_cache(config, batch, kv_cache)
     prompt = jax.random.randint(jax.random.key(1), (batch, config.prompt), 0, config.vocab)
     params = quantize_params(config, params, recipe, cache)
     prefill, decode = make_programs(config, quantized=recipe is not None)
@@ -215,6 +222,7 @@ def measure_row(
         decode_tps=batch * config.new_tokens / decode_s,
         prefill_tps=batch * config.prompt / prefill_s,
         param_bytes=param_bytes(params),
+        cache_bytes=cache.nbytes,
         temp=decode_c.memory_analysis().temp_size_in_bytes,
         gemms_lowered=len(_hlo.quantized_gemms(decode_lowered.as_text())),
         gemms_compiled=_hlo.compiled_low_precision_gemms(decode_c.as_text()),
@@ -230,20 +238,26 @@ def measure(
     repeats: int = 5,
     deadline: float = math.inf,
     progress: Any = None,
+    kv_caches: Sequence[str] = KV_CACHES,
 ) -> dict[tuple[str, int], dict[str, Any] | None]:
-    """Every row, bfloat16 first at each batch; a row past `deadline` is None, a row that
-    raised (out of memory, say) ``{"error": ...}``. `progress(message)` before and after each."""
+    """Every row, bfloat16 first at each batch, then the recipes, then bfloat16 weights with
+    each of `kv_caches` (rows ``"int8 KV"``, ``"fp8 KV"``); a row past `deadline` is None, a
+    row that raised (out of memory, say) ``{"error": ...}``. `progress(message)` before and
+    after each."""
     params = init_params(config)
     results: dict[tuple[str, int], dict[str, Any] | None] = {}
+    rows = [*((name, name, None) for name in ("bf16", *recipes))]
+    rows += [(f"{kv} KV", "bf16", kv) for kv in kv_caches]
     for batch in batches:
-        for name in ("bf16", *recipes):
+        for name, weights, kv_cache in rows:
             if time.perf_counter() > deadline:
                 results[name, batch] = None
                 continue
             if progress:
                 progress(f"generation {name}, batch {batch}: compiling and timing")
             try:
-                row = measure_row(config, params, None if name == "bf16" else name, batch, repeats)
+                recipe = None if weights == "bf16" else weights
+                row = measure_row(config, params, recipe, batch, repeats, kv_cache)
             except Exception as e:  # noqa: BLE001
                 row = {"error": _hlo.error_line(e)}
             results[name, batch] = row
@@ -264,8 +278,8 @@ def report(config: Config, results: dict[tuple[str, int], dict[str, Any] | None]
     """The table and the target ratios (each against bfloat16 at the same batch)."""
     header = [
         "recipe", "batch", "decode tokens/s", "vs bf16", "prefill tokens/s", "vs bf16",
-        "param GB", "vs bf16", "decode temp GB", "int8/FP8 GEMMs (lowered / compiled)",
-        "compile s",
+        "param GB", "vs bf16", "KV cache MB", "vs bf16", "decode temp GB",
+        "int8/FP8 GEMMs (lowered / compiled)", "compile s",
     ]  # fmt: skip
     rows = []
     for (name, batch), r in results.items():
@@ -283,19 +297,23 @@ def report(config: Config, results: dict[tuple[str, int], dict[str, Any] | None]
                 name, batch, f"{r['decode_tps']:,.0f}", ratio("decode_tps"),
                 f"{r['prefill_tps']:,.0f}", ratio("prefill_tps"),
                 f"{r['param_bytes'] / 1e9:.3f}", ratio("param_bytes"),
+                f"{r['cache_bytes'] / 1e6:.3f}", ratio("cache_bytes"),
                 f"{r['temp'] / 1e9:.3f}", f"{r['gemms_lowered']} / {r['gemms_compiled']}",
                 f"{r['compile_s']:.1f}",
             ]
         )  # fmt: skip
     lines = [
         f"Generation, d_model {config.d_model}, {config.layers} layers, vocab {config.vocab}: "
-        f"prefill of {config.prompt} tokens, decode of {config.new_tokens} (KV cache); "
-        "bfloat16 params and activations, each recipe from jaxmp.quantize of the same params\n",
+        f"prefill of {config.prompt} tokens, decode of {config.new_tokens} (KV cache of "
+        f"{config.context} positions); bfloat16 params, activations and cache, each recipe from "
+        "jaxmp.quantize of the same params, the KV rows with bfloat16 weights and a "
+        "jaxmp.KVCache\n",
         _hlo.table(header, rows),
         "",
     ]
     targets = [
         ("int8", 1, "decode_tps", "decode", 1.5),
+        ("int8 KV", 64, "decode_tps", "decode", 1.2),
         ("int8_dynamic", 64, "prefill_tps", "prefill", 1.3),
         ("fp8", 64, "prefill_tps", "prefill", 1.3),
     ]

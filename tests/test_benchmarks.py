@@ -110,12 +110,14 @@ def test_gpu_benchmark_tiny_runs_on_cpu():
         re.M,
     )
     assert low and float(low[1]) < 0.7, out  # 6 bytes per parameter against 2 + 12
-    # The generation table: every recipe at both batches measured, each with its ratio lines.
-    for recipe in ("bf16", "int8", "int8_dynamic", "fp8", "int4"):
+    # The generation table: every recipe and KV cache at both batches measured, each with its
+    # ratio lines.
+    for recipe in ("bf16", "int8", "int8_dynamic", "fp8", "int4", "int8 KV", "fp8 KV"):
         for batch in (1, 64):
             row = re.search(rf"^\| {recipe} +\| {batch} +\| ([\d,]+) +\|", out, re.M)
             assert row, (recipe, batch, out[-3000:])
     assert re.search(r"^int8, batch 1: \d+\.\d\dx bfloat16's decode tokens/s", out, re.M)
+    assert re.search(r"^int8 KV, batch 64: \d+\.\d\dx bfloat16's decode tokens/s", out, re.M)
     assert re.search(r"^fp8, batch 64: \d+\.\d\dx bfloat16's prefill tokens/s", out, re.M)
     ratio = {}
     for line in out.splitlines():
@@ -377,10 +379,11 @@ def test_quantized_generation_rows_measure_each_recipe(benchmarks_on_path):
     import quantized_generation as qg
 
     config = qg.Config(d_model=32, layers=1, heads=2, vocab=64, prompt=4, new_tokens=3)
-    # One recipe here (each recipe's GEMMs: the --lower test; every row: the slow --tiny run).
+    # One recipe and one cache here (each recipe's GEMMs: the --lower test; every row: the
+    # slow --tiny run).
     recipes = ("int8_dynamic",)
-    results = qg.measure(config, recipes=recipes, batches=(1,), repeats=1)
-    assert list(results) == [(name, 1) for name in ("bf16", *recipes)]
+    results = qg.measure(config, recipes=recipes, batches=(1,), repeats=1, kv_caches=("int8",))
+    assert list(results) == [(name, 1) for name in ("bf16", *recipes, "int8 KV")]
     base = results["bf16", 1]
     for (name, _), row in results.items():
         assert row is not None and "error" not in row, (name, row)
@@ -392,11 +395,18 @@ def test_quantized_generation_rows_measure_each_recipe(benchmarks_on_path):
         assert row["gemms_lowered"] == expected, name
     # Params: the embedding stays bfloat16, every matmul weight shrinks.
     assert results["int8_dynamic", 1]["param_bytes"] < 0.7 * base["param_bytes"]
+    # The int8 cache: one byte a value and a bfloat16 scale per head and position (head_dim 16);
+    # the weights are bfloat16's.
+    kv = results["int8 KV", 1]
+    assert kv["cache_bytes"] / base["cache_bytes"] == (16 + 2) / 32
+    assert kv["param_bytes"] == base["param_bytes"]
+    assert results["int8_dynamic", 1]["cache_bytes"] == base["cache_bytes"]
     text = qg.report(config, results)
     assert re.search(r"^\| int8_dynamic +\| 1 +\| [\d,]+ +\| \d+\.\d\d +\|", text, re.M)
     # The rows skipped past the deadline are reported as such.
     skipped = qg.measure(config, recipes=("int8",), batches=(1,), deadline=0.0)
-    assert skipped == {("bf16", 1): None, ("int8", 1): None}
+    names = ("bf16", "int8", "int8 KV", "fp8 KV")  # the KV rows: int8 and FP8 by default
+    assert skipped == {(name, 1): None for name in names}
     assert "skipped (time budget)" in qg.report(config, skipped)
 
 
@@ -448,7 +458,44 @@ def test_quantized_generation_model_runs_quantized_close_to_bfloat16(benchmarks_
         out, out_cache = jax.jit(jaxmp.quantized(step))(q, cache, prompt, pos)
         err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
         assert err < tolerance, (recipe, err)
-        assert out_cache["k"].dtype == jnp.bfloat16
+        assert out_cache.keys.dtype == jnp.bfloat16 and out_cache.format is None
+    # The quantised caches: the same model, close to the bfloat16 cache's logits.
+    for kv_cache, tolerance in (("int8", 0.03), ("fp8", 0.1)):
+        out, out_cache = jax.jit(step)(params, qg.empty_cache(config, 2, kv_cache), prompt, pos)
+        err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        assert err < tolerance, (kv_cache, err)
+        assert out_cache.format == kv_cache and out_cache.shape == ref_cache.shape
+
+
+def test_quantized_generation_report_gives_each_target_ratio(benchmarks_on_path):
+    # The ratios the GPU targets are about, printed with their targets wherever the rows were
+    # measured: int8 weight-only decode at batch 1 (1.5x), the int8 cache's decode at batch
+    # 64 (1.2x), int8 dynamic and FP8 prefill at batch 64 (1.3x).
+    import quantized_generation as qg
+
+    def row(decode, prefill, cache_bytes=4e6):
+        return dict(
+            decode_tps=decode, prefill_tps=prefill, param_bytes=2e9, cache_bytes=cache_bytes,
+            temp=1e8, gemms_lowered=0, gemms_compiled=0, compile_s=1.0,
+        )  # fmt: skip
+
+    results = {
+        ("bf16", 1): row(100.0, 1000.0),
+        ("int8", 1): row(160.0, 1000.0),
+        ("bf16", 64): row(1000.0, 10000.0),
+        ("int8_dynamic", 64): row(1000.0, 14000.0),
+        ("fp8", 64): row(1000.0, 12000.0),
+        ("int8 KV", 64): row(1250.0, 10000.0, cache_bytes=2.125e6),
+    }
+    text = qg.report(qg.CONFIGS["default"], results)
+    assert "int8, batch 1: 1.60x bfloat16's decode tokens/s (target on a GPU: 1.5x)" in text
+    assert "int8 KV, batch 64: 1.25x bfloat16's decode tokens/s (target on a GPU: 1.2x)" in text
+    assert (
+        "int8_dynamic, batch 64: 1.40x bfloat16's prefill tokens/s (target on a GPU: 1.3x)" in text
+    )
+    assert "fp8, batch 64: 1.20x bfloat16's prefill tokens/s (target on a GPU: 1.3x)" in text
+    kv = next(line for line in text.splitlines() if line.startswith("| int8 KV "))
+    assert "| 2.125 " in kv and "| 0.53 " in kv  # the cache's MB and its ratio to bfloat16's
 
 
 def test_an_error_without_a_message_is_its_type(benchmarks_on_path):
@@ -464,7 +511,7 @@ def test_an_error_without_a_message_is_its_type(benchmarks_on_path):
     config = qg.Config(d_model=32, layers=1, heads=2, vocab=64, prompt=4, new_tokens=3)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(qg, "measure_row", fail)
-        results = qg.measure(config, recipes=("int8",), batches=(1,))
+        results = qg.measure(config, recipes=("int8",), batches=(1,), kv_caches=())
     assert results == {("bf16", 1): {"error": "MemoryError"}, ("int8", 1): {"error": "MemoryError"}}
     assert "| MemoryError" in qg.report(config, results)
 

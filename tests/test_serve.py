@@ -1,5 +1,6 @@
 """Tests of examples/serve.py: a tiny trained run served with each recipe; the command line."""
 
+import json
 import pathlib
 import shutil
 import subprocess
@@ -24,17 +25,22 @@ from tests.test_train import TINY  # noqa: E402
 
 
 @pytest.mark.slow
-def test_tiny_run_served_with_every_recipe(tmp_path, capsys):
+def test_tiny_run_served_with_every_recipe_and_kv_cache(tmp_path, capsys):
     config = config_lib.load("mixed_float16", TINY)
     loop.train_and_evaluate(
         config, tmp_path / "run", progress=False, verbose=False, sample_length=0, figure=False
     )
     rows = serve.serve(tmp_path / "run", group_size=16, batch=2, tokens=4, runs=1)
-    assert [r.recipe for r in rows] == ["bf16", "int8", "int8_dynamic", "fp8", "int4"]
+    names = [(r.recipe, r.kv_cache) for r in rows]
+    assert names == [
+        *((name, "bf16") for name in ("bf16", "int8", "int8_dynamic", "fp8", "int4")),
+        ("bf16", "int8"),
+        ("bf16", "fp8"),
+    ]
     base = rows[0]
     for r in rows:
-        assert np.isfinite(r.val_loss) and r.tokens_per_s > 0
-    by_name = {r.recipe: r for r in rows}
+        assert np.isfinite(r.val_loss) and np.isfinite(r.cached_val_loss) and r.tokens_per_s > 0
+    by_name = {r.recipe: r for r in rows if r.kv_cache == "bf16"}
     assert abs(by_name["int8"].val_loss / base.val_loss - 1) < 0.01
     assert abs(by_name["int8_dynamic"].val_loss / base.val_loss - 1) < 0.015
     assert abs(by_name["fp8"].val_loss / base.val_loss - 1) < 0.01
@@ -44,12 +50,102 @@ def test_tiny_run_served_with_every_recipe(tmp_path, capsys):
         assert 0.5 < by_name[name].weight_bytes / base.weight_bytes < 0.56
     assert by_name["int4"].weight_bytes / base.weight_bytes == pytest.approx(0.25 + 2 / 16)
     assert by_name["int8"].param_bytes < base.param_bytes
+    # Through the bfloat16 cache, the full forward's loss (scores in float32 rather than
+    # bfloat16); through the quantised caches, close to it. The weights are bfloat16's.
+    assert base.cached_val_loss == pytest.approx(base.val_loss, rel=1e-3)
+    by_cache = {r.kv_cache: r for r in rows if r.recipe == "bf16"}
+    for fmt, head_dim in (("int8", 16), ("fp8", 16)):
+        r = by_cache[fmt]
+        assert r.val_loss == base.val_loss and r.param_bytes == base.param_bytes
+        assert abs(r.cached_val_loss / base.cached_val_loss - 1) < 0.01
+        extra = 2 if fmt == "int8" else 1  # the scale's bytes per (position, head)
+        assert r.kv_cache_bytes / base.kv_cache_bytes == (head_dim + extra) / (2 * head_dim)
     serve.main(
-        ["--workdir", str(tmp_path / "run"), "--recipes", "int8", "--tokens", "2", "--runs", "1"]
+        ["--workdir", str(tmp_path / "run"), "--recipes", "int8", "--kv-cache", "bf16,int8"]
+        + ["--tokens", "2", "--runs", "1"]
     )
     table = capsys.readouterr().out
-    assert table.splitlines()[0].startswith("| recipe | val loss | vs bf16 | param bytes")
-    assert "| int8 |" in table
+    header = table.splitlines()[0]
+    assert header.startswith("| recipe | kv cache | val loss | vs bf16 | cached val loss |")
+    lines = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [line.split(" | ")[:2] for line in lines] == [
+        ["| bf16", "bf16"],
+        ["| int8", "bf16"],
+        ["| bf16", "int8"],
+    ]
+    # serve.json: the table's rows and numbers, bf16 first.
+    written = json.loads((tmp_path / "run" / "serve.json").read_text())
+    assert [(r["recipe"], r["kv_cache"]) for r in written] == [
+        ("bf16", "bf16"),
+        ("int8", "bf16"),
+        ("bf16", "int8"),
+    ]
+    for row, line in zip(written, lines, strict=True):
+        assert {"recipe", "val_loss", "param_bytes", "tokens_per_s"} <= set(row)
+        cells = line.strip("| ").split(" | ")
+        assert f"{row['val_loss']:.4f}" == cells[2] and f"{row['param_bytes']:,}" == cells[6]
+        assert f"{row['tokens_per_s']:,.0f}" == cells[-1]
+        assert f"{row['kv_cache_bytes']:,}" == cells[10]
+    # Greedy decoding with each quantised cache against the bfloat16 cache.
+    capsys.readouterr()
+    serve.main(
+        ["--workdir", str(tmp_path / "run"), "--agreement", "12", "--prompts", "3"]
+        + ["--kv-cache", "bf16,f32,int8,fp8"]
+    )
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("Greedy decoding of 12 tokens after 3 prompts")
+    rows = serve.kv_agreement(tmp_path / "run", ("int8", "fp8"), tokens=12, prompts=3)
+    by_block = serve.kv_agreement(tmp_path / "run", ("int8",), tokens=12, prompts=3, block_size=8)
+    assert by_block[0]["bytes_ratio"] == (8 + 2) / 16  # a scale per 8 values
+    assert [r["kv_cache"] for r in rows] == ["int8", "fp8"]
+    for r in rows:
+        assert 0.5 <= r["same_forced"] <= 1 and 0 <= r["same_free"] <= 1
+        assert r["same_text"] == np.mean([d == 12 for d in r["first_divergence"]])
+        assert 0 < r["logits_max_abs"] and 0 < r["logits_max_rel"] < 0.2
+        assert len(r["first_divergence"]) == 3
+        assert f"| {r['kv_cache']} | {100 * r['same_forced']:.2f}% |" in out
+
+
+def _row(recipe, kv_cache="bf16", val_loss=1.25):
+    return serve.Row(
+        recipe=recipe,
+        val_loss=val_loss,
+        param_bytes=1000,
+        weight_bytes=800,
+        tokens_per_s=123.4,
+        kv_cache=kv_cache,
+        kv_cache_bytes=4096,
+        cached_val_loss=val_loss,
+    )
+
+
+def test_serve_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    rows = [_row("bf16"), _row("int8", val_loss=float("nan")), _row("bf16", "int8")]
+    path = serve.write_rows(rows, tmp_path)
+    assert path == tmp_path / "serve.json"
+    written = json.loads(path.read_text())
+    assert written[0] == {
+        "recipe": "bf16",
+        "val_loss": 1.25,
+        "param_bytes": 1000,
+        "tokens_per_s": 123.4,
+        "kv_cache": "bf16",
+        "cached_val_loss": 1.25,
+        "weight_bytes": 800,
+        "kv_cache_bytes": 4096,
+    }
+    assert written[1]["val_loss"] is None  # not a number: JSON's null, not NaN
+    # A write that fails leaves the earlier serve.json as it was, and no other file.
+    before = path.read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(serve.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        serve.write_rows(rows[:1], tmp_path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serve.json"]
 
 
 @pytest.mark.parametrize(
@@ -60,6 +156,15 @@ def test_tiny_run_served_with_every_recipe(tmp_path, capsys):
             ["--workdir", "x", "--recipes", "int9"],
             "--recipes must be names of int8, "
             "int8_dynamic, fp8, int4, got 'int9'. Did you mean 'int8'?",
+        ),
+        (
+            ["--workdir", "x", "--kv-cache", "bf16,int9"],
+            "--kv-cache must be names of bf16, f32, int8, fp8, got 'int9'. Did you mean 'int8'?",
+        ),
+        (
+            ["--workdir", "x", "--agreement", "8", "--kv-cache", "bf16"],
+            "--agreement compares caches with the bf16 cache: --kv-cache must name another "
+            "(f32, int8, fp8), got bf16.",
         ),
     ],
 )
@@ -163,8 +268,18 @@ def test_an_unreadable_checkpoint_is_served_messages_own(saved_run, tmp_path):
             "are at steps 1, 2.",
         ),
         (["--step", "0"], "--step must be positive, got 0."),
+        (
+            ["--tokens", "14"],
+            "--tokens must be in [1, 13] (the model's 16 positions after the 4-character "
+            "prompt, the last one generated), got 14.",
+        ),
+        (
+            ["--kv-block-size", "5", "--tokens", "2"],
+            "--kv-block-size must be a positive divisor of head_dim 16, got 5.",
+        ),
     ],
 )
 def test_step_errors(saved_run, argv, message, capsys):
     got = serve_error(["--workdir", str(saved_run), *argv], capsys)
     assert got == message.format(run=saved_run)
+
