@@ -251,7 +251,8 @@ class QuantizedArray:
             dtype = self.dtype if dtype is None else jnp.dtype(dtype)
             return (self.values.astype(self.scales.dtype) * self.scales).astype(dtype)
         moved, axes = dequantize_moved(self, dtype)
-        return jnp.transpose(moved, tuple(int(i) for i in np.argsort(axes)))
+        # Axis i of the weight is axis axes[i] of `moved`.
+        return jnp.transpose(moved, axes)
 
     def __repr__(self) -> str:
         return (
