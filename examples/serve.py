@@ -277,7 +277,7 @@ def serve(
             f"{prompt.shape[1]}-character prompt, the last one generated), got {tokens}."
         )
     model = make_model(with_precision(config, BASELINE), dataset.vocab_size)
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    trained, params = params, served_params(None, params, None, None)
 
     def apply(p: Any, tokens: jax.Array) -> jax.Array:
         return model.apply({"params": p}, tokens)
@@ -300,7 +300,7 @@ def serve(
             p, run_apply, run_decode = params, apply, decode
         else:
             recipe = jaxmp.Int4WeightOnly(group_size) if name == "int4" else name
-            p = jaxmp.quantize(apply, params, example, recipe=recipe, exclude=exclude)
+            p = served_params(apply, trained, example, recipe, exclude)
             run_apply, run_decode = jaxmp.quantized(apply), jaxmp.quantized(decode)
         caches = makers[kv]
         rows.append(
@@ -316,6 +316,22 @@ def serve(
             )
         )
     return rows
+
+
+def served_params(
+    apply: Any, params: Any, example: Any, recipe: Any, exclude: Sequence[str] = ()
+) -> Any:
+    """The params of the bfloat16 model: with `recipe`, the matmul weights quantised by
+    `jaxmp.quantize` from `params` as trained (float32 master weights: the values a run with
+    the config key ``qat`` trained with, rounded to the same grid points), every other leaf
+    cast to bfloat16; without (None), every leaf cast to bfloat16."""
+    if recipe is not None:
+        params = jaxmp.quantize(apply, params, example, recipe=recipe, exclude=exclude)
+    return jax.tree.map(
+        lambda x: x if isinstance(x, jaxmp.QuantizedArray) else x.astype(jnp.bfloat16),
+        params,
+        is_leaf=lambda x: isinstance(x, jaxmp.QuantizedArray),
+    )
 
 
 def write_rows(rows: Sequence[Row], workdir: pathlib.Path) -> pathlib.Path:

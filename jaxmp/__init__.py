@@ -44,6 +44,7 @@ from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.quantization.kv_cache import KVCache
 from jaxmp._src.quantization.plan import QuantizedLeaf, quantization_plan, quantize
+from jaxmp._src.quantization.qat import QuantizationAware, quantization_aware
 from jaxmp._src.quantization.recipes import (
     Float8Rowwise,
     Int4WeightOnly,
@@ -110,9 +111,11 @@ __all__ = (
     "Int8DynamicActivations",
     "Int8WeightOnly",
     "KVCache",
+    "QuantizationAware",
     "Quantized",
     "QuantizedArray",
     "QuantizedLeaf",
+    "quantization_aware",
     "quantization_plan",
     "quantize",
     "quantized",

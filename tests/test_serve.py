@@ -7,9 +7,12 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+
+import jaxmp
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -283,3 +286,48 @@ def test_step_errors(saved_run, argv, message, capsys):
     got = serve_error(["--workdir", str(saved_run), *argv], capsys)
     assert got == message.format(run=saved_run)
 
+
+def test_the_served_weights_are_quantised_from_the_params_as_trained():
+    # Rounded to bfloat16 first, a weight can land on another point of the grid than the
+    # float32 weight quantization-aware training quantised: the recipes quantise the params
+    # as trained, and only the other leaves are cast to bfloat16.
+    config = config_lib.load("int4_qat", (*TINY, "d_model=128", "qat_start=0"))
+    dataset = steps_lib.get_dataset(config.val_fraction)
+    model = steps_lib.make_model(
+        steps_lib.with_precision(config, serve.BASELINE), dataset.vocab_size
+    )
+    params = steps_lib.programs(config, dataset.vocab_size).init(jax.random.PRNGKey(0)).params
+
+    def apply(p, x):
+        return model.apply({"params": p}, x)
+
+    example = jnp.zeros((1, config.seq_len), jnp.int32)
+    recipe = config.qat_recipe
+    served = serve.served_params(apply, params, example, recipe)
+    trained = jaxmp.quantize(apply, params, example, recipe=recipe)
+    rounded_first = jaxmp.quantize(
+        apply, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), example, recipe=recipe
+    )
+    is_q = lambda x: isinstance(x, jaxmp.QuantizedArray)  # noqa: E731
+    flat = zip(
+        jax.tree.leaves(served, is_leaf=is_q),
+        jax.tree.leaves(trained, is_leaf=is_q),
+        jax.tree.leaves(rounded_first, is_leaf=is_q),
+        jax.tree.leaves(params),
+        strict=True,
+    )
+    differs = 0
+    for got, want, other, param in flat:
+        if is_q(want):
+            assert is_q(got)
+            assert np.asarray(got.values).tobytes() == np.asarray(want.values).tobytes()
+            assert np.asarray(got.scales).tobytes() == np.asarray(want.scales).tobytes()
+            differs += np.asarray(other.values).tobytes() != np.asarray(want.values).tobytes()
+        else:
+            assert got.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(got, param.astype(jnp.bfloat16))
+    assert differs  # quantising the bfloat16 params would not serve what was trained
+    bf16 = serve.served_params(apply, params, example, None)  # the baseline: all bfloat16
+    for got, param in zip(jax.tree.leaves(bf16), jax.tree.leaves(params), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, param.astype(jnp.bfloat16))

@@ -391,6 +391,8 @@ jaxmp.Policy.needs_loss_scaling: property
 jaxmp.Policy.with_compute_dtype: (self, compute_dtype: 'DTypeLike') -> 'Policy'
 jaxmp.Policy.with_output_dtype: (self, output_dtype: 'DTypeLike') -> 'Policy'
 jaxmp.Policy.with_param_dtype: (self, param_dtype: 'DTypeLike') -> 'Policy'
+jaxmp.QuantizationAware: class(fun: 'Callable[..., Any]', recipe: 'Any', exclude: 'Any' = ())
+jaxmp.QuantizationAware.quantize: (self, params: 'Any', *example_args: 'Any', **example_kwargs: 'Any') -> 'Any'
 jaxmp.Quantized: class(fun: 'Callable[..., Any]')
 jaxmp.Quantized.jaxpr: (self, *args: 'Any', **kwargs: 'Any') -> 'Any'
 jaxmp.QuantizedArray: class(values: 'jax.Array', scales: 'jax.Array', recipe: 'Any', dtype: 'Any', contract: 'tuple[int, ...]', contract_shape: 'tuple[int, ...]') -> None
@@ -437,6 +439,7 @@ jaxmp.mixed_precision: (inner: 'optax.GradientTransformation', policy: 'policy_l
 jaxmp.plot_loss_scale: (metrics: 'Sequence[Mapping[str, Any]] | Mapping[str, Any]', path: 'str | os.PathLike[str] | None' = None, *, loss: 'ArrayLike | Sequence[float] | None' = None, steps: 'ArrayLike | Sequence[int] | None' = None, title: 'str | None' = None) -> 'Any'
 jaxmp.pmean_in_float32: (tree: 'T', axis_name: 'Any') -> 'T'
 jaxmp.psum_in_float32: (tree: 'T', axis_name: 'Any') -> 'T'
+jaxmp.quantization_aware: (fun: 'Callable[..., Any]', *, recipe: 'Any', exclude: 'Any' = ()) -> 'QuantizationAware'
 jaxmp.quantization_plan: (fun: 'Callable[..., Any]', params: 'Any', *example_args: 'Any', recipe: 'Any', exclude: 'Any' = (), **example_kwargs: 'Any') -> 'tuple[QuantizedLeaf, ...]'
 jaxmp.quantize: (fun: 'Callable[..., Any]', params: 'Any', *example_args: 'Any', recipe: 'Any', exclude: 'Any' = (), **example_kwargs: 'Any') -> 'Any'
 jaxmp.quantized: (fun: 'Callable[..., Any]') -> 'Quantized'
@@ -473,7 +476,7 @@ train.MetricsWriter: class(workdir: 'pathlib.Path', history: 'list[dict[str, Any
 train.MetricsWriter.close: (self) -> 'None'
 train.MetricsWriter.flush: (self) -> 'None'
 train.MetricsWriter.write: (self, record: 'dict[str, Any]') -> 'None'
-train.Programs: class(model: 'model_lib.TransformerLM', tx: 'optax.GradientTransformationExtraArgs', init: 'Any', train_step: 'Any', eval_step: 'Any')
+train.Programs: class(model: 'model_lib.TransformerLM', tx: 'optax.GradientTransformationExtraArgs', init: 'Any', train_step: 'Any', eval_step: 'Any', qat_train_step: 'Any' = None)
 train.REPO_ROOT: Path
 train.RUN_OUTPUTS: tuple
 train.RunDirError: exception(ValueError)
@@ -495,20 +498,22 @@ train.generate: (model: 'model_lib.TransformerLM', params: 'Any', dataset: 'data
 train.get_dataset: (val_fraction: 'float') -> 'data_lib.Dataset'
 train.gradient_underflow: (config: 'config_lib.Config', params: 'Any', batch: 'tuple[np.ndarray, np.ndarray]', loss_scale: 'float' = 1.0, *, vocab_size: 'int') -> 'float'
 train.init_params: (model: 'model_lib.TransformerLM', rng: 'jax.Array') -> 'Any'
+train.learning_rate_schedule: (config: 'config_lib.Config') -> 'optax.Schedule'
 train.load_configs: (names: 'Sequence[str]', workdir: 'str | pathlib.Path', overrides: 'Sequence[str]' = (), *, resume: 'bool' = False) -> 'list[config_lib.Config]'
 train.load_history: (workdir: 'pathlib.Path', upto: 'int') -> 'list[dict[str, Any]]'
 train.load_inspections: (workdir: 'pathlib.Path', upto: 'int') -> 'list[dict[str, Any]]'
 train.logit_gradient_underflow: (config: 'config_lib.Config', params: 'Any', batch: 'tuple[np.ndarray, np.ndarray]', loss_scale: 'float' = 1.0, *, vocab_size: 'int') -> 'float'
 train.main: (argv: 'Sequence[str] | None' = None) -> 'None'
-train.make_eval_step: (model: 'model_lib.TransformerLM', fp8: 'Any' = None)
+train.make_eval_step: (model: 'model_lib.TransformerLM', fp8: 'Any' = None, qat: 'Any' = None)
 train.make_fp8_apply: (config: 'config_lib.Config', model: 'model_lib.TransformerLM')
 train.make_init: (config: 'config_lib.Config', model: 'model_lib.TransformerLM', tx)
 train.make_inspected_grad: (config: 'config_lib.Config', model: 'model_lib.TransformerLM')
-train.make_loss_fn: (model: 'model_lib.TransformerLM', fp8: 'Any' = None)
+train.make_loss_fn: (model: 'model_lib.TransformerLM', fp8: 'Any' = None, qat: 'Any' = None)
 train.make_model: (config: 'config_lib.Config', vocab_size: 'int') -> 'model_lib.TransformerLM'
 train.make_optimizer: (config: 'config_lib.Config') -> 'optax.GradientTransformationExtraArgs'
 train.make_parser: () -> '_Parser'
-train.make_train_step: (config: 'config_lib.Config', model: 'model_lib.TransformerLM', tx)
+train.make_qat_apply: (config: 'config_lib.Config', model: 'model_lib.TransformerLM')
+train.make_train_step: (config: 'config_lib.Config', model: 'model_lib.TransformerLM', tx, quantization_aware: 'bool | None' = None)
 train.parse_inspect_steps: (text: 'str', steps: 'int') -> 'tuple[int, ...]'
 train.plot_comparison: (results: 'Sequence[RunResult]', path: 'pathlib.Path') -> 'None'
 train.plot_run: (result: 'RunResult', path: 'pathlib.Path') -> 'None'

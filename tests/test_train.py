@@ -31,6 +31,7 @@ import train  # noqa: E402
 from lm import config as config_lib  # noqa: E402
 from lm import data as data_lib  # noqa: E402
 from lm import figures, rundir  # noqa: E402
+from lm import model as model_lib  # noqa: E402
 
 import jaxmp  # noqa: E402
 from tests.conftest import all_eqns, environ_without_compilation_cache, fp8_dots  # noqa: E402
@@ -66,6 +67,8 @@ SHIPPED = (
     "mixed_fp8",
     "mixed_fp8_delayed",
     "mixed_fp8_block",
+    "int4_qat",
+    "fp8_qat",
 )
 
 
@@ -160,10 +163,13 @@ def test_shipped_configs_are_the_documented_ones():
     assert config_lib.load("float16_master_weights").policy.param_dtype == jnp.float16
     assert config_lib.load("float16_no_loss_scale").loss_scale == "none"
     assert set(train.COMPARE_ORDER) == set(config_lib.available())
-    fp8 = {name: config_lib.load(name) for name in SHIPPED if "fp8" in name}
+    fp8 = {name: config_lib.load(name) for name in SHIPPED if name.startswith("mixed_fp8")}
     assert {c.policy for c in fp8.values()} == {jaxmp.get_policy("mixed_bfloat16")}
     assert [c.fp8 for c in fp8.values()] == ["current", "delayed", "block"]
     assert config_lib.load("mixed_bfloat16").fp8 == "none"
+    qat = {name: config_lib.load(name) for name in SHIPPED if name.endswith("_qat")}
+    assert {c.policy for c in qat.values()} == {jaxmp.get_policy("mixed_bfloat16")}
+    assert [(c.qat, c.qat_start) for c in qat.values()] == [("int4", 1000), ("fp8", 1000)]
     low = {name: config_lib.load(name) for name in SHIPPED if name.startswith("bf16_")}
     assert {c.policy for c in low.values()} == {jaxmp.get_policy("p=bf16,c=bf16,o=f32")}
     assert [c.master_weights for c in low.values()] == [True, False, False, False, False]
@@ -228,8 +234,10 @@ def test_finished_run(finished):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_train_shipped_config(name, tmp_path):
-    # A scale period of 4 makes the dynamic configs grow (and possibly back off) in 24 steps.
-    check_run(run(tiny(name, "loss_scale_period=4"), tmp_path, figure=True))
+    # A scale period of 4 makes the dynamic configs grow (and possibly back off) in 24 steps;
+    # a quantization-aware config trains its last 12 so.
+    qat = ("qat_start=12",) if config_lib.load(name).qat != "none" else ()
+    check_run(run(tiny(name, "loss_scale_period=4", *qat), tmp_path, figure=True))
 
 
 @pytest.mark.slow
@@ -656,6 +664,16 @@ def test_help_lists_configs_and_keys(capsys):
         (("second_moment=fp16",), "config key `second_moment` must be one of"),
         (("fp8=curent",), "config key `fp8` must be one of none, current, delayed, block, "
          "mxfp8, got 'curent'. Did you mean 'current'?"),
+        (("qat=in4",), "config key `qat` must be one of none, int8, int8_dynamic, fp8, int4, "
+         "got 'in4'. Did you mean 'int4'?"),
+        (("qat_start=-1",), "config key `qat_start` must be >= 0, got -1"),
+        (("qat_start=100",), "config key `qat_start` (100) is the step quantization-aware "
+         "training starts after; set `qat` to a recipe too"),
+        (("qat=int4", "qat_start=1500"), "config key `qat_start` (1500) must be < `steps` "
+         "(1500): quantization-aware training starts after it"),
+        (("qat=int8", "fp8=current", "precision=mixed_bfloat16"),
+         "config keys `fp8` and `qat` (fp8='current', qat='int8'): quantization-aware training "
+         "runs the recipe's kernels in the forward pass; train the model without `fp8`"),
         (("precision=p=bf16,c=bf16", "rounding=stochastic"),
          "config keys `precision`, `master_weights`, `rounding` (precision='p=bf16,c=bf16', "
          "master_weights=True, rounding='stochastic'): `rounding='stochastic'` is for params "
@@ -720,6 +738,8 @@ def test_typos_get_a_did_you_mean(call, message):
         (("precision=p=bf16,c=bf16,o=f32", "fp8=current"),
          "mixed_float16+precision=p=bf16,c=bf16,o=f32+fp8=current"),
         (("loss_scale=none",), "mixed_float16+loss_scale=none"),
+        (("qat=int4",), "mixed_float16+qat=int4"),
+        (("qat=int4", "qat_start=100"), "mixed_float16+qat=int4+qat_start=100"),
         (("master_weights=false", "precision=bf16"),
          "mixed_float16+precision=bf16+master_weights=false"),
         # The same policy written another way, tuning numbers, and an explicit name: kept.
@@ -1002,6 +1022,76 @@ def test_every_precision_starts_from_the_same_float32_init():
     is_master = lambda x: isinstance(x, jaxmp.MasterWeightsState)  # noqa: E731
     (master,) = [s for s in jax.tree.leaves(half.opt_state, is_leaf=is_master) if is_master(s)]
     assert_identical(master.master, reference)
+
+
+QAT_TINY = ("d_model=128", "steps=12", "eval_interval=6", "checkpoint_interval=6", "qat_start=6")
+
+
+def test_int4_qat_config_trains_what_serves(tmp_path):
+    # The shipped config with tiny settings; d_model 128, so that int4's groups of 128 fit
+    # every matmul. Six steps as mixed_bfloat16, then quantization-aware training.
+    shipped = config_lib.load("int4_qat")
+    assert (shipped.policy, shipped.loss_scale, shipped.qat) == (
+        jaxmp.get_policy("mixed_bfloat16"),
+        "none",
+        "int4",
+    )
+    assert shipped.steps == config_lib.load("mixed_bfloat16").steps
+    assert shipped.seed == config_lib.load("mixed_bfloat16").seed
+    config = tiny("int4_qat", *QAT_TINY)
+    result = run(config, tmp_path / "qat")
+    losses = np.array([r["train_loss"] for r in result.history])
+    assert np.all(np.isfinite(losses)) and losses[-2:].mean() < losses[:2].mean() - 0.5
+    assert {x.dtype for x in jax.tree.leaves(result.state.params)} == {jnp.dtype(jnp.float32)}
+    # What the run learned is what serves: its forward pass is that of jaxmp.quantized on
+    # jaxmp.quantize of its params, every matmul weight in int4, bit for bit; its
+    # validation loss is that model's.
+    dataset = train.get_dataset(config.val_fraction)
+    model = train.programs(config, dataset.vocab_size).model
+
+    def apply(p, x):
+        return model.apply({"params": p}, x)
+
+    batches = data_lib.eval_batches(dataset.val, 2, config.batch_size, config.seq_len)
+    params = result.state.params
+    plan = jaxmp.quantization_plan(apply, params, batches[0][0], recipe=config.qat_recipe)
+    assert sum(leaf.quantized for leaf in plan) == 7  # q, k, v, out, fc, proj, head
+    q = jaxmp.quantize(apply, params, batches[0][0], recipe=config.qat_recipe)
+    qat = jaxmp.quantization_aware(apply, recipe=config.qat_recipe)
+    served = jax.jit(jaxmp.quantized(apply))
+    losses = []
+    for inputs, targets in batches:
+        logits = served(q, inputs)
+        trained = jax.jit(qat)(params, inputs)
+        assert np.asarray(logits).tobytes() == np.asarray(trained).tobytes()
+        losses.append(float(model_lib.cross_entropy(logits, targets)))
+    assert result.final_val_loss == pytest.approx(np.mean(losses), rel=1e-6)
+
+
+@pytest.mark.slow  # two runs
+def test_a_qat_fine_tune_is_the_run_without_qat_until_qat_start(tmp_path):
+    result = run(tiny("int4_qat", *QAT_TINY), tmp_path / "qat")
+    plain = run(tiny("mixed_bfloat16", *QAT_TINY[:-1]), tmp_path / "plain")
+    losses = [r["train_loss"] for r in result.history]
+    before = [r["train_loss"] for r in plain.history]
+    assert losses[:6] == before[:6] and losses[6] != before[6]
+
+
+def test_qat_anneals_the_learning_rate_to_zero():
+    # The fine-tune keeps mixed_bfloat16's rate up to `qat_start`, then a cosine to zero; from
+    # the start, the one cosine ends at zero instead of a tenth.
+    plain = train.learning_rate_schedule(config_lib.load("mixed_bfloat16"))
+    config = config_lib.load("int4_qat")
+    qat = train.learning_rate_schedule(config)
+    start, steps = config.qat_start, config.steps
+    for step in (0, 1, 25, 50, 700, start):
+        assert float(qat(step)) == float(plain(step)), step
+    after = np.array([float(qat(s)) for s in range(start, steps + 1, 25)])
+    assert np.all(np.diff(after) < 0) and after[-1] == 0.0
+    assert float(plain(steps)) == pytest.approx(0.1 * config.learning_rate)
+    from_start = train.learning_rate_schedule(config_lib.load("int4_qat", ["qat_start=0"]))
+    assert float(from_start(25)) == float(plain(25))  # the same warmup
+    assert float(from_start(steps)) == 0.0
 
 
 @pytest.mark.slow  # a training run; FP8's numerics are tested op by op in test_fp8*.py

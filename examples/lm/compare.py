@@ -38,6 +38,8 @@ COMPARE_ORDER = (
     "mixed_fp8",
     "mixed_fp8_delayed",
     "mixed_fp8_block",
+    "int4_qat",
+    "fp8_qat",
 )
 
 

@@ -33,6 +33,15 @@ FP8_RECIPES = {
     "block": jaxmp.Float8BlockScaling(),
     "mxfp8": jaxmp.MXFP8BlockScaling(),
 }
+# The `qat` key: the `jaxmp.quantize` recipe the model is trained to be served with
+# (docs/guides/quantized_inference.md), or none. int4 with serve.py's groups of 128.
+QAT_RECIPES = {
+    "none": None,
+    "int8": jaxmp.Int8WeightOnly(),
+    "int8_dynamic": jaxmp.Int8DynamicActivations(),
+    "fp8": jaxmp.Float8Rowwise(),
+    "int4": jaxmp.Int4WeightOnly(group_size=128),
+}
 # The keys that say what precision a run trains in; a config's name (``mixed_float16``,
 # ``bf16_stochastic_rounding``) describes them. The loss scale's numbers tune, like the
 # learning rate.
@@ -44,6 +53,8 @@ PRECISION_KEYS = (
     "first_moment",
     "second_moment",
     "fp8",
+    "qat",
+    "qat_start",
 )
 _BOOLS = {"true": True, "yes": True, "on": True, "1": True,
           "false": False, "no": False, "off": False, "0": False}  # fmt: skip
@@ -68,6 +79,13 @@ class Config:
     (DeepSeek-V3's 1x128 / 128x128) or ``mxfp8``; ``none`` (the default) keeps them in the
     policy's compute dtype. The output head and the attention's two products of activations
     stay in the compute dtype, as in Transformer Engine's and DeepSeek-V3's recipes.
+
+    ``qat`` trains the model with the numerics ``examples/serve.py`` serves it with
+    (`jaxmp.quantization_aware`: the matmul weights quantised in the forward pass with
+    ``int8``, ``int8_dynamic``, ``fp8`` or ``int4``, straight-through gradients into the float
+    params), after ``qat_start`` steps of training as the policy alone (0: from the start;
+    a fine-tune: the same run, schedule and step count). The run's validation loss is then
+    the quantised model's, from the first step.
     """
 
     name: str = "run"
@@ -84,6 +102,8 @@ class Config:
     first_moment: str = "float32"
     second_moment: str = "float32"
     fp8: str = "none"
+    qat: str = "none"
+    qat_start: int = 0
     # Model.
     num_layers: int = 2
     num_heads: int = 4
@@ -203,6 +223,34 @@ class Config:
             raise ValueError(
                 f"config key `fp8` must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}.{hint}"
             )
+        self._check_qat()
+
+    def _check_qat(self) -> None:
+        if self.qat not in QAT_RECIPES:
+            hint = _did_you_mean(self.qat, QAT_RECIPES)
+            raise ValueError(
+                f"config key `qat` must be one of {', '.join(QAT_RECIPES)}, got {self.qat!r}.{hint}"
+            )
+        if self.qat_start < 0:
+            raise ValueError(f"config key `qat_start` must be >= 0, got {self.qat_start!r}.")
+        if self.qat == "none":
+            if self.qat_start:
+                raise ValueError(
+                    f"config key `qat_start` ({self.qat_start}) is the step quantization-aware "
+                    "training starts after; set `qat` to a recipe too."
+                )
+            return
+        if self.qat_start >= self.steps:
+            raise ValueError(
+                f"config key `qat_start` ({self.qat_start}) must be < `steps` ({self.steps}): "
+                "quantization-aware training starts after it."
+            )
+        if self.fp8 != "none":
+            raise ValueError(
+                f"config keys `fp8` and `qat` (fp8={self.fp8!r}, qat={self.qat!r}): "
+                "quantization-aware training runs the recipe's kernels in the forward pass; "
+                "train the model without `fp8`."
+            )
 
     def _check_low_memory(self) -> None:
         """The low-memory keys, checked by jaxmp itself: one line naming the keys."""
@@ -256,7 +304,15 @@ class Config:
             text += f", moments {self.first_moment}/{self.second_moment}"
         if self.fp8 != "none":
             text += f", FP8 {self.fp8} scaling"
+        if self.qat != "none":
+            text += f", {self.qat} quantization-aware training"
+            text += f" after step {self.qat_start}" if self.qat_start else " from the start"
         return text
+
+    @property
+    def qat_recipe(self) -> Any:
+        """The jaxmp quantisation recipe of the `qat` key, or None."""
+        return QAT_RECIPES[self.qat]
 
     @property
     def fp8_recipe(self) -> Any:

@@ -193,13 +193,29 @@ def train_and_evaluate(
     inputs, targets = put(
         data_lib.train_batch(dataset.train, config.seed, start, config.batch_size, config.seq_len)
     )
-    train_step = jax.jit(built.train_step, **jit_kwargs)
-    compiled = train_step.lower(state, inputs, targets).compile()
-    memory = compiled.memory_analysis()
-    peak = None
-    if memory is not None:
-        peak = int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
     stop = config.steps if stop_at is None else min(stop_at, config.steps)
+    # A quantization-aware fine-tune (`qat_start`) runs the steps after `qat_start` with
+    # their own program (`Programs.qat_train_step`).
+    programs_to_run = [built.train_step]
+    if built.qat_train_step is not None and stop > config.qat_start:
+        programs_to_run.append(built.qat_train_step)
+    compiled_steps = [
+        jax.jit(step_fn, **jit_kwargs).lower(state, inputs, targets).compile()
+        for step_fn in programs_to_run
+    ]
+
+    def program(step: int) -> Any:
+        """The compiled train step of step `step` (1 for the first)."""
+        after = len(compiled_steps) > 1 and step > config.qat_start
+        return compiled_steps[1 if after else 0]
+
+    peak = None
+    for compiled in compiled_steps:
+        memory = compiled.memory_analysis()
+        if memory is not None:
+            used = int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
+            peak = used if peak is None else max(peak, used)
+    compiled = program(start + 1)
     if start < stop:
         # The step's gradients must be those of the scaled loss (jaxmp.value_and_grad): with
         # jax.grad every update would be the loss scale times too small, silently.
@@ -267,7 +283,7 @@ def train_and_evaluate(
                         f"{entry['first_nonfinite'] or 'none'}; {entry['suggestion'] or ''}"
                     )
                 t0 = time.perf_counter()
-                new_state, metrics = compiled(state, inputs, targets)
+                new_state, metrics = program(step)(state, inputs, targets)
                 metrics = jax.device_get(metrics)
                 step_time = time.perf_counter() - t0
                 new_scale = float(metrics["loss_scale"])

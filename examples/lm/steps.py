@@ -53,18 +53,38 @@ def make_model(config: config_lib.Config, vocab_size: int) -> model_lib.Transfor
     )
 
 
+def learning_rate_schedule(config: config_lib.Config) -> optax.Schedule:
+    """Warmup to `learning_rate`, then a cosine decay to a tenth of it at `steps`.
+
+    With `qat` the rate ends at zero: quantization-aware steps move weights across the grid's
+    rounding boundaries (and int4's choices of scale), and a rate annealed to zero lets them
+    settle (docs/guides/quantized_inference.md measures it). A fine-tune (`qat_start`) keeps
+    the schedule of the config without `qat` up to `qat_start`, then a cosine from the rate
+    there to zero.
+    """
+    decay_steps = max(config.steps, config.warmup_steps + 1)
+    qat = config.qat != "none"
+    end = 0.0 if qat and not config.qat_start else config.learning_rate * 0.1
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, decay_steps, end
+    )
+    if not (qat and config.qat_start):
+        return schedule
+    tail = optax.cosine_decay_schedule(
+        float(schedule(config.qat_start)), config.steps - config.qat_start, 0.0
+    )
+    return optax.join_schedules([schedule, tail], [config.qat_start])
+
+
 def make_optimizer(config: config_lib.Config) -> optax.GradientTransformationExtraArgs:
-    """AdamW with warmup and cosine decay, wrapped by `jaxmp.mixed_precision` for the policy.
+    """AdamW with `learning_rate_schedule`, wrapped by `jaxmp.mixed_precision` for the policy.
 
     The inner optimizer sees unscaled float32 gradients (of the FP32 master weights when the
     params are half precision and the config keeps them); skipped steps leave its state, and so
     the schedule, untouched. The config's low-memory keys choose how half-precision params are
     updated without a master copy and how the moments are stored between steps.
     """
-    decay_steps = max(config.steps, config.warmup_steps + 1)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, config.warmup_steps, decay_steps, config.learning_rate * 0.1
-    )
+    schedule = learning_rate_schedule(config)
     inner = optax.chain(
         optax.clip_by_global_norm(config.grad_clip) if config.grad_clip else optax.identity(),
         optax.adamw(schedule, b2=0.99, weight_decay=config.weight_decay),
@@ -117,8 +137,9 @@ class Programs(NamedTuple):
     model: model_lib.TransformerLM
     tx: optax.GradientTransformationExtraArgs
     init: Any  # `make_init`'s
-    train_step: Any  # `make_train_step`'s, unjitted
+    train_step: Any  # `make_train_step`'s, unjitted (with `qat_start`, the steps up to it)
     eval_step: Any  # `make_eval_step`'s, unjitted
+    qat_train_step: Any = None  # with `qat_start`: the quantization-aware steps after it
 
 
 @functools.lru_cache(maxsize=8)
@@ -130,12 +151,18 @@ def programs(config: config_lib.Config, vocab_size: int) -> Programs:
     """
     model = make_model(config, vocab_size)
     tx = make_optimizer(config)
+    # A quantization-aware fine-tune trains its first `qat_start` steps with the program of
+    # the config without `qat` (so, bit for bit, as that run), then switches programs.
+    fine_tune = config.qat != "none" and config.qat_start > 0
     return Programs(
         model=model,
         tx=tx,
         init=make_init(config, model, tx),
         train_step=make_train_step(config, model, tx),
-        eval_step=make_eval_step(model, make_fp8_apply(config, model)),
+        qat_train_step=make_train_step(config, model, tx, True) if fine_tune else None,
+        eval_step=make_eval_step(
+            model, make_fp8_apply(config, model), make_qat_apply(config, model)
+        ),
     )
 
 
@@ -157,11 +184,25 @@ def make_fp8_apply(config: config_lib.Config, model: model_lib.TransformerLM):
     )
 
 
-def make_loss_fn(model: model_lib.TransformerLM, fp8: Any = None):
-    """``(params, inputs, targets, fp8_state=None) -> loss``; `fp8` from `make_fp8_apply`."""
+def make_qat_apply(config: config_lib.Config, model: model_lib.TransformerLM):
+    """``model.apply`` with the serving numerics of the `qat` recipe in the forward pass and
+    straight-through gradients (`jaxmp.quantization_aware`); None without `qat`.
+
+    Every matmul weight is quantised, as ``examples/serve.py`` quantises them (the
+    embeddings, read by gather, stay float)."""
+    if config.qat_recipe is None:
+        return None
+    return jaxmp.quantization_aware(model.apply, recipe=config.qat_recipe)
+
+
+def make_loss_fn(model: model_lib.TransformerLM, fp8: Any = None, qat: Any = None):
+    """``(params, inputs, targets, fp8_state=None) -> loss``; `fp8` from `make_fp8_apply`,
+    `qat` from `make_qat_apply`."""
 
     def loss_fn(params, inputs, targets, fp8_state=None):
         apply = model.apply if fp8 is None else fp8
+        if qat is not None:
+            apply = qat
         if fp8_state is not None:
             apply = fp8.with_fp8_state(fp8_state)
         return model_lib.cross_entropy(apply({"params": params}, inputs), targets)
@@ -169,18 +210,29 @@ def make_loss_fn(model: model_lib.TransformerLM, fp8: Any = None):
     return loss_fn
 
 
-def make_train_step(config: config_lib.Config, model: model_lib.TransformerLM, tx):
+def make_train_step(
+    config: config_lib.Config,
+    model: model_lib.TransformerLM,
+    tx,
+    quantization_aware: bool | None = None,
+):
     """The (unjitted) train step ``(state, inputs, targets) -> (state, metrics)``.
+
+    `quantization_aware` (default: with `qat` from the start) runs the forward pass of
+    `make_qat_apply`; a fine-tune's steps before `qat_start` run the step without it.
 
     Gradients are of the loss times the current loss scale; ``tx.update`` unscales them in
     float32, skips the update when any is non-finite and adjusts the scale. ``grad_norm`` is
     the norm of the gradients passed to ``tx.update`` (scaled, so it follows the loss scale:
     `check_gradients_are_scaled` relies on that).
     """
+    if quantization_aware is None:
+        quantization_aware = config.qat != "none" and not config.qat_start
     # With delayed FP8 scaling, the "gradient" of the FP8 state is the next state
     # (docs/guides/fp8.md); a skipped step keeps the old one.
     delayed = config.fp8 == "delayed"
-    loss_fn = make_loss_fn(model, make_fp8_apply(config, model))
+    qat = make_qat_apply(config, model) if quantization_aware else None
+    loss_fn = make_loss_fn(model, make_fp8_apply(config, model), qat)
     grad_fn = jaxmp.value_and_grad(loss_fn, argnums=(0, 3) if delayed else 0)
 
     def train_step(state: TrainState, inputs: jax.Array, targets: jax.Array):
@@ -206,9 +258,10 @@ def make_train_step(config: config_lib.Config, model: model_lib.TransformerLM, t
     return train_step
 
 
-def make_eval_step(model: model_lib.TransformerLM, fp8: Any = None):
-    """The (unjitted) eval step ``(params, inputs, targets, fp8_state=None) -> mean loss``."""
-    return make_loss_fn(model, fp8)
+def make_eval_step(model: model_lib.TransformerLM, fp8: Any = None, qat: Any = None):
+    """The (unjitted) eval step ``(params, inputs, targets, fp8_state=None) -> mean loss``;
+    with `qat` (`make_qat_apply`), the loss of the model as served quantised."""
+    return make_loss_fn(model, fp8, qat)
 
 
 def with_precision(config: config_lib.Config, precision: str) -> config_lib.Config:

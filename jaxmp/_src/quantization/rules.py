@@ -68,23 +68,47 @@ def _fits(x: q_lib.QuantizedArray, dims: Sequence[int]) -> bool:
     return tuple(sorted(d - ndim for d in dims)) == x.contract
 
 
-def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
-    params = eqn.params
-    dn = params["dimension_numbers"]
-    (lc, rc), _ = dn
-    out_dtype = eqn.outvars[0].aval.dtype
-    lhs, rhs = vals
-    side = None
+def weight_side(dimension_numbers: Any, lhs: Any, rhs: Any) -> int | None:
+    """Which operand of a ``dot_general`` is a quantised weight its kernel can run on: 1 (the
+    rhs) or 0 (the lhs), the other one not quantised and the dot contracting the weight's
+    contraction axes; None otherwise (both dequantised, as any other op's operands)."""
+    (lc, rc), _ = dimension_numbers
     if q_lib.is_quantized(rhs) and not q_lib.is_quantized(lhs) and _fits(rhs, rc):
-        side = 1
-    elif q_lib.is_quantized(lhs) and not q_lib.is_quantized(rhs) and _fits(lhs, lc):
-        side = 0
-    if side is None:
-        return compat.bind(eqn, [_dequantize(v) for v in vals])
-    w: q_lib.QuantizedArray = vals[side]
-    x = jnp.asarray(vals[1 - side])
+        return 1
+    if q_lib.is_quantized(lhs) and not q_lib.is_quantized(rhs) and _fits(lhs, lc):
+        return 0
+    return None
+
+
+def quantize_activations(
+    x: jax.Array, side: int, dimension_numbers: Any, recipe: Any
+) -> tuple[jax.Array, jax.Array]:
+    """``(values, scales)`` of the activations `x` as the dynamic recipes' kernel reads them:
+    one absmax scale per row (each position of the axes the dot does not contract), `x`
+    rounded on the recipe's grid. `side` is the weight's (`weight_side`)."""
+    (lc, rc), _ = dimension_numbers
+    scale = q_lib.absmax_scale(x, (lc, rc)[1 - side], recipe.qmax)
+    return q_lib.quantize_values(x, scale, recipe), scale
+
+
+def quantized_dot(
+    x: jax.Array,
+    w: q_lib.QuantizedArray,
+    side: int,
+    dimension_numbers: Any,
+    precision: Any,
+    out_dtype: Any,
+) -> jax.Array:
+    """The recipe's kernel for ``dot_general`` of activations `x` and quantised weight `w`.
+
+    `side` is the weight's operand (1: ``dot_general(x, w)``, 0: ``dot_general(w, x)``,
+    `weight_side`); `dimension_numbers` and `precision` are the traced dot's, `out_dtype`
+    its output's dtype. `jaxmp.quantized` and `jaxmp.quantization_aware` run this one
+    function, so that training and serving compute the same numbers.
+    """
+    dn = dimension_numbers
+    x = jnp.asarray(x)
     ndims = (x.ndim, w.ndim) if side == 1 else (w.ndim, x.ndim)
-    precision = params.get("precision")
 
     def dot(a: jax.Array, b: jax.Array, preferred: Any) -> jax.Array:
         operands = (b, a) if side == 0 else (a, b)  # a: the activations, b: the weight
@@ -107,20 +131,29 @@ def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
         y = lax.dot_general(
             *operands, ((lc, rc), (lb, rb)), precision=precision, preferred_element_type=acc_dtype
         )
-        return [y.astype(out_dtype)]
+        return y.astype(out_dtype)
     w_scale = _to_output(w.scales, side, dn, ndims).astype(acc_dtype)
     if isinstance(recipe, q_lib.Int8WeightOnly):
         y = dot(x, w.values.astype(w.dtype), acc_dtype) * w_scale
-        return [y.astype(out_dtype)]
-    x_contract = (lc, rc)[1 - side]
-    x_scale = q_lib.absmax_scale(x, x_contract, recipe.qmax)
-    xq = q_lib.quantize_values(x, x_scale, recipe)
+        return y.astype(out_dtype)
+    xq, x_scale = quantize_activations(x, side, dn, recipe)
     if isinstance(recipe, q_lib.Int8DynamicActivations):
         acc = dot(xq, w.values, jnp.int32)
     else:
         acc = _fp8_product(dot, xq, w.values)
     y = acc.astype(acc_dtype) * _to_output(x_scale, 1 - side, dn, ndims).astype(acc_dtype)
-    return [(y * w_scale).astype(out_dtype)]
+    return (y * w_scale).astype(out_dtype)
+
+
+def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
+    params = eqn.params
+    dn = params["dimension_numbers"]
+    side = weight_side(dn, *vals)
+    if side is None:
+        return compat.bind(eqn, [_dequantize(v) for v in vals])
+    out_dtype = eqn.outvars[0].aval.dtype
+    y = quantized_dot(vals[1 - side], vals[side], side, dn, params.get("precision"), out_dtype)
+    return [y]
 
 
 def _fp8_product(dot: Callable[..., jax.Array], xq: jax.Array, wq: jax.Array) -> jax.Array:
