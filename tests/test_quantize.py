@@ -19,7 +19,7 @@ import jaxmp
 from jaxmp._src.quantization import leaf as leaf_lib
 from jaxmp._src.quantization import plan as plan_lib
 from jaxmp._src.quantization import recipes as q_lib
-from tests.conftest import diagonal_cases
+from tests.conftest import assert_close, diagonal_cases
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -717,23 +717,62 @@ def test_transformation_orders(name):
         )
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_the_derivative_with_respect_to_the_inputs_of_a_weight_only_model(name):
+    # The quantised weights are constants there: the derivative with respect to the inputs
+    # is well defined (saliency maps, adversarial examples), the exact one of the quantised
+    # model's computation, forward and reverse, under jit and vmap.
+    p, x = _mlp_params(jnp.float32), jax.random.normal(jax.random.key(3), (2, 64))
+    q = jaxmp.quantize(_mlp, p, x, recipe=RECIPES[name])
+    run = jaxmp.quantized(_mlp)
+    served = jax.extend.core.jaxpr_as_fun(run.jaxpr(q, x))
+    leaves = jax.tree.leaves(q)
+
+    def reference(x):  # the same computation, without the rule around it
+        return served(*leaves, x)[0].sum()
+
+    expected = jax.grad(reference)(x)
+    assert float(jnp.abs(expected).max()) > 0
+    # The same derivative, up to the order XLA sums in (float32's tolerance).
+    assert_close(jax.grad(lambda x: run(q, x).sum())(x), expected, jnp.float32)
+    assert_close(jax.jit(jax.grad(lambda x: run(q, x).sum()))(x), expected, jnp.float32)
+    per_example = jax.vmap(jax.grad(lambda xi: run(q, xi[None]).sum()))(x)
+    assert_close(per_example, expected, jnp.float32)
+    _, tangent = jax.jvp(lambda x: run(q, x).sum(), (x,), (jnp.ones_like(x),))
+    np.testing.assert_allclose(float(tangent), float(expected.sum()), rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_differentiating_quantized_is_an_error(name):
-    # Rounding has no useful derivative: int8_dynamic's would be the derivative of its
-    # activation scales alone. Inference only, so differentiation is refused, not wrong.
+def test_derivatives_with_respect_to_quantised_weights_are_refused(name):
+    # Rounding to the int8/E4M3/int4 grid has no useful derivative: a derivative flowing
+    # into the quantised weights is an error pointing at quantization-aware training, never
+    # a silently zero or wrong gradient.
     p, x = _mlp_params(jnp.float32), jnp.ones((2, 64))
     q = jaxmp.quantize(_mlp, p, x, recipe=RECIPES[name])
     run = jaxmp.quantized(_mlp)
-    with pytest.raises(TypeError, match=r"jaxmp.quantized\(_mlp\) is inference-only"):
-        jax.grad(lambda x: run(q, x).sum())(x)
-    with pytest.raises(TypeError, match="inference-only"):
-        jax.jvp(lambda x: run(q, x), (x,), (x,))
-    with pytest.raises(TypeError, match="inference-only"):
-        jax.jit(jax.grad(lambda s: run(q, x * s).sum()))(1.0)
+    message = r"jaxmp.quantized\(_mlp\) cannot be differentiated with respect to its quantised"
+    with pytest.raises(TypeError, match=message):
+        jax.grad(lambda q: run(q, x).sum(), allow_int=True)(q)
+    with pytest.raises(TypeError, match="jaxmp.quantization_aware"):
+        jax.jit(jax.grad(lambda s: run(jax.tree.map(lambda a: a * s, q), x).sum()))(1.0)
     # A derivative that does not flow through the quantised model is fine.
     y = run(q, x)
     g = jax.grad(lambda t: t * lax.stop_gradient(run(q, x)).sum() + t * run(q, x).sum())(2.0)
     np.testing.assert_allclose(float(g), 2 * float(y.sum()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int8_dynamic", "fp8"])
+def test_derivatives_through_quantised_activations_are_refused(name):
+    # The dynamic recipes round the activations too: the derivative with respect to the
+    # inputs would be that of rounding (zero almost everywhere) and of the row scales.
+    p, x = _mlp_params(jnp.float32), jnp.ones((2, 64))
+    q = jaxmp.quantize(_mlp, p, x, recipe=RECIPES[name])
+    run = jaxmp.quantized(_mlp)
+    message = r"quantises the activations too .* weight-only recipe .*quantization_aware"
+    with pytest.raises(TypeError, match=message):
+        jax.grad(lambda x: run(q, x).sum())(x)
+    with pytest.raises(TypeError, match=message):
+        jax.jvp(lambda x: run(q, x), (x,), (x,))
 
 
 def test_quantising_twice_is_an_error_naming_the_leaf():

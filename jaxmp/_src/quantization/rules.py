@@ -248,6 +248,19 @@ def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[interpret.Arg
     return interpret.ArgSpec(treedef, static, len(leaves)), [x for x in leaves if dynamic(x)]
 
 
+def _is_zero(x: Any) -> bool:
+    return compat.is_symbolic_zero(x)
+
+
+def _instantiate(tangent: Any, primal: Any) -> Any:
+    """A symbolic zero tangent as an array of zeros (float0 for an integer primal)."""
+    if not compat.is_symbolic_zero(tangent):
+        return tangent
+    if jnp.issubdtype(jnp.result_type(primal), jnp.inexact):
+        return jnp.zeros_like(primal)
+    return np.zeros(np.shape(primal), jax.dtypes.float0)
+
+
 class Quantized:
     """The function `quantized` returns; call it like the wrapped function."""
 
@@ -270,18 +283,50 @@ class Quantized:
 
     def _run(self, spec: interpret.ArgSpec, *dynamic: Any) -> Any:
         run = jax.custom_jvp(functools.partial(self._eval, spec))
-        run.defjvp(self._refuse_derivative)
+        run.defjvp(functools.partial(self._derivative, spec), symbolic_zeros=True)
         return run(*dynamic)
 
-    def _refuse_derivative(self, primals: Any, tangents: Any) -> Any:
-        # Rounding to the int8/E4M3/int4 grid has a derivative of zero: int8_dynamic's would
-        # be that of its activation scales alone, silently wrong. JAX calls this only when a
-        # tangent flows into the quantised call.
-        raise TypeError(
-            f"{self!r} is inference-only: it cannot be differentiated (rounding to the "
-            "quantised grid has no useful derivative). Differentiate the function with the "
-            "unquantised params, or wrap what needs no derivative in `jax.lax.stop_gradient`."
+    def _derivative(self, spec: interpret.ArgSpec, primals: Any, tangents: Any) -> Any:
+        """The derivative with respect to the arguments that are not quantised, the
+        quantised weights constants: that of the quantised computation itself. Refused
+        with respect to the quantised weights (rounding to their grid has no useful
+        derivative) and through the dynamic recipes' quantised activations (that of
+        rounding, zero almost everywhere). JAX calls this only when a tangent flows in."""
+        weights = [q_lib.is_quantized(x) for x in primals]
+        moving = [
+            not all(compat.is_symbolic_zero(t) for t in jax.tree.leaves(t, is_leaf=_is_zero))
+            for t in tangents
+        ]
+        if any(w and m for w, m in zip(weights, moving, strict=True)):
+            raise TypeError(
+                f"{self!r} cannot be differentiated with respect to its quantised weights: "
+                "rounding to the quantised grid has no useful derivative. Train through the "
+                "rounding with `jaxmp.quantization_aware` (a straight-through gradient), or "
+                "differentiate the function with the unquantised params."
+            )
+        dynamic = sorted(
+            {x.recipe.name for x, w in zip(primals, weights, strict=True) if w}
+            & {q_lib.Int8DynamicActivations.name, q_lib.Float8Rowwise.name}
         )
+        if dynamic:
+            raise TypeError(
+                f"{self!r} quantises the activations too ({', '.join(dynamic)}): its derivative "
+                "with respect to the inputs would be that of rounding them. Use a weight-only "
+                "recipe ('int8', 'int4'), whose derivative with respect to the inputs is "
+                "exact, or train with `jaxmp.quantization_aware`."
+            )
+        free = [i for i, w in enumerate(weights) if not w]
+
+        def of_the_rest(*rest: Any) -> Any:
+            args = list(primals)
+            for i, value in zip(free, rest, strict=True):
+                args[i] = value
+            return self._eval(spec, *args)
+
+        rest_tangents = [
+            jax.tree.map(_instantiate, tangents[i], primals[i], is_leaf=_is_zero) for i in free
+        ]
+        return jax.jvp(of_the_rest, [primals[i] for i in free], rest_tangents)
 
     def _eval(self, spec: interpret.ArgSpec, *dynamic: Any) -> Any:
         structs = [
@@ -308,8 +353,12 @@ def quantized(fun: Callable[..., Any]) -> Quantized:
     Arguments that are not quantised pass through unchanged. Outside a transformation each
     argument signature is traced and compiled once; it composes with `jax.jit`, `jax.vmap`
     and `lax.scan` (quantised params may be scanned over, a stack of layers sliced per step).
-    It is inference only: a derivative flowing into the call (`jax.grad`, `jax.jvp`) is a
-    TypeError, never the silently wrong derivative of rounding.
+    With a weight-only recipe (int8, int4) it can be differentiated with respect to its
+    other arguments (saliency maps, adversarial examples): the exact derivative of the
+    quantised computation, the quantised weights constants. A derivative with respect to the
+    quantised weights, or through the activations the dynamic recipes round (int8_dynamic,
+    fp8), is a TypeError, never the silently wrong derivative of rounding: train through the
+    rounding with `jaxmp.quantization_aware`.
 
     Args:
       fun: the function `jaxmp.quantize` was given.
