@@ -169,6 +169,39 @@ def test_a_param_returned_as_it_is_is_that_param_not_a_copy():
     assert state.master["w"] is full["w"]
 
 
+def test_an_init_reading_its_params_placement_is_run_op_by_op():
+    # Placing state next to its param, or waiting for it: what a tracer does not have.
+    def init(params):
+        jax.block_until_ready(params)
+        return {"mu": jax.tree.map(lambda p: jax.device_put(jnp.zeros_like(p), p.sharding), params)}
+
+    tx = jaxmp.mixed_precision(
+        optax.GradientTransformation(init, lambda u, s, p=None: (u, s)),
+        "p=bf16,c=bf16",
+        master_weights=False,
+    )
+    state = tx.init({"w": jnp.ones(3, BF16)})
+    assert state.inner_state["mu"]["w"].dtype == jnp.float32
+
+
+def test_a_second_init_of_the_same_shapes_is_not_traced_again():
+    traced: list[int] = []
+
+    def init(params):
+        traced.append(1)
+        return {"mu": jax.tree.map(jnp.zeros_like, params)}
+
+    tx = jaxmp.loss_scaling(optax.GradientTransformation(init, lambda u, s, p=None: (u, s)))
+    first = tx.init(_params())
+    calls = len(traced)
+    again = tx.init(_params())
+    assert calls >= 1 and len(traced) == calls  # compiled once, run twice
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tx.init(_params(32, 512))  # other shapes: traced again
+    assert len(traced) > calls
+
+
 def test_each_init_call_builds_new_state():
     # The program is traced per call: a second init after the params changed sees them.
     tx = jaxmp.mixed_precision(optax.adam(1e-3), "p=bf16,c=bf16")
@@ -191,6 +224,17 @@ def test_state_is_built_where_sharded_params_live(where_it_lives, name):
     # Each state leaf as `jaxmp.state_shardings` places it (moments and scales split like
     # their param, not on one device), each device's block equal to the one-device state's.
     assert where_it_lives[f"init {name}"] == {"placed": True, "values": True}
+
+
+@pytest.mark.parametrize(
+    "case", ["explicit mesh", "device 3", "two meshes", "small leaf split 8 ways"]
+)
+def test_state_is_built_where_params_placed_otherwise_live(where_it_lives, case):
+    # A mesh of explicit axes outside jax.set_mesh (a sharding constraint failed there), every
+    # param on one device but the first (the state went to device 0), the same devices in two
+    # orders (incompatible devices), a 512-value bias split 8 ways with 8-bit moments (the
+    # state shardings cannot be traced: run op by op, as before).
+    assert where_it_lives["placements"][case] == {"placed": True, "values": True}
 
 
 @pytest.mark.slow

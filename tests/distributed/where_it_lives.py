@@ -117,6 +117,56 @@ def main() -> dict:
     return out
 
 
+def placements() -> dict:
+    """One process of 8 devices: params placed in the other ways users place them, each
+    `init` placed where its params are (or as op by op places it), its values the
+    one-device init's."""
+    devices = jax.devices()
+    out = {}
+    host = host_params()
+    one_device = jax.tree.map(jnp.asarray, host)
+    tx = jaxmp.mixed_precision(
+        optax.adam(1e-3), "p=bf16,c=bf16", master_weights=False, moments="int8"
+    )
+    expected = tx.init(one_device)
+
+    def check(name, params, where, tx=tx, expected=expected):
+        state = tx.init(params)
+        out[name] = {
+            "values": shards_match(state, expected),
+            "placed": all(where(x.sharding) for x in jax.tree.leaves(state) if x.ndim),
+        }
+
+    # A mesh of explicit axes (jax.make_mesh's default), the init called outside set_mesh.
+    explicit = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Explicit,))
+    params = jax.device_put(host, NamedSharding(explicit, P("model")))
+    master = jaxmp.mixed_precision(optax.adam(1e-3), "p=bf16,c=bf16")
+    check(
+        "explicit mesh",
+        params,
+        lambda s: len(s.device_set) == 8,
+        master,
+        master.init(one_device),
+    )
+    # Every param on device 3.
+    params = jax.device_put(host, devices[3])
+    check("device 3", params, lambda s: s.device_set == {devices[3]})
+    # The same 8 devices in another order: two meshes.
+    a = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    b = jax.sharding.Mesh(np.asarray(devices[::-1]), ("x",))
+    params = {
+        "w": jax.device_put(host["w"], NamedSharding(a, P("x"))),
+        "v": jax.device_put(host["v"], NamedSharding(b, P("x"))),
+        "b": jax.device_put(host["b"], NamedSharding(a, P("x"))),
+    }
+    check("two meshes", params, lambda s: len(s.device_set) == 8, master, master.init(one_device))
+    # A small leaf split 8 ways (a 512-value bias: one 8-bit block of 256 per 2 devices).
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    params = jax.device_put(host, NamedSharding(mesh, P("x")))
+    check("small leaf split 8 ways", params, lambda s: len(s.device_set) == 8)
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -127,6 +177,8 @@ if __name__ == "__main__":
             initialization_timeout=60,
         )
     result = main()
+    if len(sys.argv) != 3:
+        result["placements"] = placements()
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (json.dumps(result, sort_keys=True) + "\n").encode())
     if len(sys.argv) == 3:
