@@ -11,8 +11,10 @@ of a bfloat16 model with int8 moments). Memory is checked with the compiled prog
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -200,6 +202,18 @@ def test_a_second_init_of_the_same_shapes_is_not_traced_again():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tx.init(_params(32, 512))  # other shapes: traced again
     assert len(traced) > calls
+
+
+def test_the_kept_program_does_not_keep_the_params_alive():
+    # The compiled program is kept for later calls; the arrays it was first called with are
+    # not (a model's float32 params, deleted once cast, would stay in memory).
+    tx = jaxmp.mixed_precision(optax.adam(1e-3), "p=bf16,c=bf16", master_weights=False)
+    params = _params()
+    tx.init(params)
+    alive = weakref.ref(params["w"])
+    del params
+    gc.collect()
+    assert alive() is None
 
 
 def test_each_init_call_builds_new_state():

@@ -173,9 +173,13 @@ def _compile(
     returned as it is, by its index among the params' leaves) and a compiled function of
     the params' arrays returning the others."""
     kept: dict[str, Any] = {}
+    # The params' other leaves only: the program is kept for later calls, and must not keep
+    # this call's arrays alive.
+    others = [None if i in set(arrays) else x for i, x in enumerate(leaves)]
+    kinds = {i: isinstance(leaves[i], jax.Array) for i in arrays}
 
     def traced(*values: Any) -> list[Any]:
-        full = list(leaves)
+        full = list(others)
         for i, v in zip(arrays, values, strict=True):
             full[i] = v
         state = init(jax.tree.unflatten(treedef, full))
@@ -183,7 +187,7 @@ def _compile(
         given = {id(v): arrays[j] for j, v in enumerate(values)}
         outs, static, passed = [], {}, {}
         for k, x in enumerate(state_leaves):
-            if id(x) in given and isinstance(leaves[given[id(x)]], jax.Array):
+            if id(x) in given and kinds[given[id(x)]]:
                 # A param returned as it is (a float32 param as its own master copy): the
                 # param itself, as outside a trace, not a copy of it.
                 passed[k] = given[id(x)]
