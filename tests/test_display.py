@@ -228,6 +228,7 @@ def test_report_shows_its_header_worst_rows_and_figure(mlp_report):
     import matplotlib.pyplot as plt
 
     report = mlp_report
+    open_before = set(plt.get_fignums())  # figures another test in this process left open
     text = report._repr_html_()
     parsed = _Cells(text)
     (table,) = parsed.tables
@@ -246,7 +247,7 @@ def test_report_shows_its_header_worst_rows_and_figure(mlp_report):
     assert image["src"].startswith("data:image/png;base64,")
     png = base64.b64decode(image["src"].split(",", 1)[1])
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert plt.get_fignums() == []
+    assert set(plt.get_fignums()) == open_before
     # The plain forms kept: repr, and the text table for str() and IPython's plain text.
     assert repr(report).startswith("<jaxmp.inspect Report:")
     printed = []
