@@ -1,12 +1,19 @@
-"""Which leaves of a model's params are matmul weights, and quantising them: `quantize`.
+"""Which leaves of a model's params are matmul weights or convolution kernels, and quantising
+them: `quantize`.
 
 Which leaves of the params are matmul weights comes from how the function uses them, not
 from their names: `quantize` traces ``fun(params, *example_args)`` and follows each param
 leaf through the jaxpr (into ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint`` and
-custom-rule bodies, and through ``convert_element_type`` and ``transpose``) to the
-``dot_general`` equations that read it. A leaf every use of which is an operand of a
-``dot_general`` contracting the same axes is a matmul weight: those axes are its contraction
-axes, every other axis (the stacked layers of a scanned leaf included) an output channel.
+custom-rule bodies, and through ``convert_element_type``, ``transpose`` and ``rev``) to the
+``dot_general`` and ``conv_general_dilated`` equations that read it. A leaf every use of which
+is an operand of a ``dot_general`` contracting the same axes is a matmul weight: those axes
+are its contraction axes, every other axis (the stacked layers of a scanned leaf included) an
+output channel. A leaf every use of which is the kernel (rhs) of a ``conv_general_dilated``
+is a convolution kernel: its input-feature and spatial axes (``dimension_numbers.rhs_spec``)
+are its contraction axes, its output-feature axis an output channel, as for a matmul (each
+output feature of a grouped or depthwise convolution contracts its own kernel slice: one
+scale per output feature covers it). A convolution with ``batch_group_count > 1`` (the form
+JAX gives the kernel gradient of a grouped convolution, not a layer's) leaves its kernel alone.
 Each is then quantised leaf by leaf (`jaxmp._src.quantization.leaf`), in slices where it is
 large, where it lives; the recipes and `QuantizedArray` are in
 `jaxmp._src.quantization.recipes`, running a function on the result in
@@ -51,7 +58,8 @@ class QuantizedLeaf(NamedTuple):
       path: its path, the string ``exclude`` patterns are searched in (``"params/fc/kernel"``).
       quantized: whether it is quantised.
       reason: why or why not (``"matmul weight, contracted over axes (0,)"``,
-        ``"excluded by 'head'"``, ``"also used by gather"``, ...).
+        ``"convolution kernel, contracted over axes (0, 1, 2)"``, ``"excluded by 'head'"``,
+        ``"also used by gather"``, ...).
     """
 
     path: str
@@ -85,7 +93,10 @@ _CALLS = {
 _SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p"})
 # Layout ops followed to the op that uses their result, for `quantization_plan`'s reason (a
 # Flax bias is reshaped, then added): a leaf seen through one is not a matmul weight.
-_RESHAPING = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "rev", "slice"})
+_RESHAPING = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice"})
+# Uses of a leaf by a convolution that leave it unquantised.
+_CONV_INPUT = "conv_general_dilated lhs"
+_CONV_BATCH_GROUPS = "conv_general_dilated batch groups"
 # What a leaf is, from the op that uses it.
 _USED_AS = {
     "add": "added to the activations (a bias)",
@@ -96,13 +107,17 @@ _USED_AS = {
     "gather": "read by gather (an embedding)",
     "dynamic_slice": "read by dynamic_slice (an embedding)",
     "dot_general": "reshaped or broadcast before its matmul",
+    "conv_general_dilated": "reshaped or broadcast before its convolution",
+    _CONV_INPUT: "the input of a convolution, not its kernel",
+    _CONV_BATCH_GROUPS: "the kernel of a convolution with batch_group_count > 1",
     "returned": "returned by the function",
 }
 
 
 def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None:
     """Adds to ``uses[leaf]`` each use of a param leaf in `jaxpr`: ``("dot", contraction
-    axes of the leaf)`` or ``("other", primitive name)``."""
+    axes of the leaf)``, ``("conv", contraction axes of the leaf)`` (a convolution kernel) or
+    ``("other", primitive name)``."""
 
     def tracked(var: Any) -> _Origin | None:
         return None if isinstance(var, compat.Literal) else origins.get(var)
@@ -131,6 +146,17 @@ def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None
                     other(name, [o])
                 else:
                     uses[o.leaf].add(("dot", tuple(sorted(o.axes[d] for d in dims))))
+        elif name == "conv_general_dilated":
+            lhs, rhs = found
+            other(_CONV_INPUT, [lhs])
+            if rhs is not None and (rhs.axes is None or params["batch_group_count"] != 1):
+                other(name if rhs.axes is None else _CONV_BATCH_GROUPS, [rhs])
+            elif rhs is not None:
+                assert rhs.axes is not None
+                # The kernel's input-feature and spatial axes are contracted (rhs_spec: out
+                # feature, in feature, spatial...).
+                spec = params["dimension_numbers"].rhs_spec
+                uses[rhs.leaf].add(("conv", tuple(sorted(rhs.axes[d] for d in spec[1:]))))
         elif name in _SAME_LAYOUT and is_float_dtype(eqn.outvars[0].aval.dtype):
             origins[eqn.outvars[0]] = found[0]  # type: ignore[assignment]
         elif name == "transpose":
@@ -138,6 +164,8 @@ def _uses(jaxpr: Any, origins: dict[Any, _Origin], uses: list[set[Any]]) -> None
             assert o is not None
             axes = None if o.axes is None else tuple(o.axes[p] for p in params["permutation"])
             origins[eqn.outvars[0]] = _Origin(o.leaf, axes, o.after)
+        elif name == "rev":  # the axes as they were (a transposed convolution's kernel)
+            origins[eqn.outvars[0]] = found[0]  # type: ignore[assignment]
         elif name in _RESHAPING and sum(o is not None for o in found) == 1 and found[0]:
             o = found[0]
             origins[eqn.outvars[0]] = _Origin(o.leaf, None, (*o.after, name))
@@ -290,15 +318,18 @@ def _decide(
             matched.add(j)
             return _Decision(path, index, None, f"excluded by {pattern.pattern!r}")
     others = sorted(name for kind, name in uses if kind == "other")
-    dots = sorted({axes for kind, axes in uses if kind == "dot"})
+    kinds = sorted({kind for kind, _ in uses if kind != "other"})
+    dots = sorted({axes for kind, axes in uses if kind != "other"})
     if not dots:
         used = _used_as(others) if others else "unused"
         return _Decision(path, index, None, f"not a matmul weight: {used}")
+    what = " and ".join(_WHAT[kind] for kind in kinds)
     if others:
-        return _Decision(path, index, None, f"a matmul weight also {_used_as(others)}")
+        return _Decision(path, index, None, f"a {what} also {_used_as(others)}")
     if len(dots) > 1:
         shown = " and ".join(str(d) for d in dots)
-        return _Decision(path, index, None, f"matmuls contract different axes: {shown}")
+        ops = " and ".join(_WHAT_PLURAL[kind] for kind in kinds)
+        return _Decision(path, index, None, f"{ops} contract different axes: {shown}")
     (contract,) = dots
     if isinstance(recipe, Int4WeightOnly):
         k = math.prod(np.shape(leaf)[c] for c in contract)
@@ -309,7 +340,11 @@ def _decide(
                 None,
                 f"contraction size {k} is not a multiple of group_size {recipe.group_size}",
             )
-    return _Decision(path, index, contract, f"matmul weight, contracted over axes {contract}")
+    return _Decision(path, index, contract, f"{what}, contracted over axes {contract}")
+
+
+_WHAT = {"dot": "matmul weight", "conv": "convolution kernel"}
+_WHAT_PLURAL = {"dot": "matmuls", "conv": "convolutions"}
 
 
 def quantization_plan(
@@ -355,16 +390,17 @@ def quantize(
     exclude: Any = (),
     **example_kwargs: Any,
 ) -> Any:
-    """Quantises the matmul weights among `params` with `recipe`; run them with `quantized`.
+    """Quantises the matmul weights and convolution kernels among `params` with `recipe`;
+    run them with `quantized`.
 
     ``fun(params, *example_args, **example_kwargs)`` is traced (not run) to find which
     leaves are matmul weights and their contraction axes (see the module docs): a leaf read
-    by ``dot_general`` only, through ``convert_element_type`` and ``transpose`` and inside
-    ``jit``, ``scan`` (a stacked leaf scanned over layers), ``while``, ``cond`` and
-    ``checkpoint``. Other floating leaves, and every int or bool leaf, are returned as they
-    are (the same objects): biases, norms, an embedding read by ``gather`` only; a tied
-    embedding (``gather`` and a matmul) is left unquantised too. `quantization_plan` lists
-    each floating leaf with the reason.
+    by ``dot_general`` only, or as the kernel of ``conv_general_dilated`` only, through
+    ``convert_element_type`` and ``transpose`` and inside ``jit``, ``scan`` (a stacked leaf
+    scanned over layers), ``while``, ``cond`` and ``checkpoint``. Other floating leaves,
+    and every int or bool leaf, are returned as they are (the same objects): biases, norms,
+    an embedding read by ``gather`` only; a tied embedding (``gather`` and a matmul) is left
+    unquantised too. `quantization_plan` lists each floating leaf with the reason.
 
     Args:
       fun: the model function, ``fun(params, *args, **kwargs)``; for Flax Linen
@@ -379,7 +415,7 @@ def quantize(
       **example_kwargs: keyword arguments of that call.
 
     Returns:
-      `params` with each matmul weight replaced by a `QuantizedArray`.
+      `params` with each matmul weight and convolution kernel replaced by a `QuantizedArray`.
 
     Raises:
       ValueError: for an unknown recipe name or an exclude pattern matching no leaf (both

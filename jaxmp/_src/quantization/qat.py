@@ -104,12 +104,13 @@ def _plain(v: Any) -> Any:
     return _straight_through(v.w, v.q.dequantize(), v.unclipped)
 
 
-def _read_activations(x: jax.Array, side: int, dimension_numbers: Any, recipe: Any) -> jax.Array:
+def _read_activations(x: jax.Array, recipe: Any, quantize: Callable[..., Any]) -> jax.Array:
     """The activations the recipe's kernel reads, in `x`'s dtype: `x` for the weight-only
-    recipes; the dynamic ones' rows rounded on their grid and scaled back."""
+    recipes; for the dynamic ones, `x` rounded on their grid by ``quantize(x)`` (``(values,
+    scales)``: per row for a matmul, per image for a convolution) and scaled back."""
     if isinstance(recipe, (q_lib.Int8WeightOnly, q_lib.Int4WeightOnly)):
         return x
-    xq, scale = rules_lib.quantize_activations(x, side, dimension_numbers, recipe)
+    xq, scale = quantize(x)
     return (xq.astype(scale.dtype) * scale).astype(x.dtype)
 
 
@@ -120,24 +121,59 @@ def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
         return compat.bind(eqn, [_plain(v) for v in vals])
     precision = eqn.params.get("precision")
     out_dtype = eqn.outvars[0].aval.dtype
-    master: _Master = vals[side]
-    recipe = master.q.recipe
-    weight_only = isinstance(recipe, (q_lib.Int8WeightOnly, q_lib.Int4WeightOnly))
 
     def kernel(x: jax.Array, q: q_lib.QuantizedArray) -> jax.Array:
         return rules_lib.quantized_dot(x, q, side, dn, precision, out_dtype)
 
-    def float_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-        # The traced matmul itself (its dtypes, precision and output type).
+    def quantize(x: jax.Array, recipe: Any) -> Any:
+        return rules_lib.quantize_activations(x, side, dn, recipe)
+
+    return _through_kernel(eqn, vals, side, kernel, quantize)
+
+
+def _conv(eqn: Any, vals: list[Any]) -> list[Any]:
+    lhs, rhs = vals
+    fits = _is_master(rhs) and rules_lib.conv_kernel_fits(
+        eqn.params, lhs.q if _is_master(lhs) else lhs, rhs.q
+    )
+    if not fits:
+        return compat.bind(eqn, [_plain(v) for v in vals])
+
+    def kernel(x: jax.Array, q: q_lib.QuantizedArray) -> jax.Array:
+        return rules_lib.quantized_conv(x, q, eqn)
+
+    def quantize(x: jax.Array, recipe: Any) -> Any:
+        return rules_lib.quantize_conv_activations(x, eqn.params, recipe)
+
+    return _through_kernel(eqn, vals, 1, kernel, quantize)
+
+
+def _through_kernel(
+    eqn: Any,
+    vals: list[Any],
+    side: int,
+    kernel: Callable[[jax.Array, q_lib.QuantizedArray], jax.Array],
+    quantize: Callable[[jax.Array, Any], Any],
+) -> list[Any]:
+    """Matmul or convolution `eqn` of activations and the quantised weight ``vals[side]`` (a
+    `_Master`): ``kernel(x, q)``, the served kernel, in the forward pass, differentiated as
+    the module docs say (``quantize(x, recipe)``: the activations as the dynamic recipes'
+    kernel rounds them)."""
+    master: _Master = vals[side]
+    recipe = master.q.recipe
+    weight_only = isinstance(recipe, (q_lib.Int8WeightOnly, q_lib.Int4WeightOnly))
+
+    def float_op(x: jax.Array, w: jax.Array) -> jax.Array:
+        # The traced matmul or convolution itself (its dtypes, precision and output type).
         (y,) = compat.bind(eqn, [w, x] if side == 0 else [x, w])
         return y  # type: ignore[no-any-return]
 
     @jax.custom_jvp
-    def dot(x: jax.Array, w: jax.Array, q: q_lib.QuantizedArray, unclipped: Any) -> jax.Array:
+    def op(x: jax.Array, w: jax.Array, q: q_lib.QuantizedArray, unclipped: Any) -> jax.Array:
         del w, unclipped
         return kernel(x, q)
 
-    def dot_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, jax.Array]:
+    def op_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, jax.Array]:
         x, w, q, unclipped = primals
         dx, dw, _, _ = tangents  # q is computed from stop_gradient(w): no tangent of its own
         y = kernel(x, q)
@@ -146,16 +182,17 @@ def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
             if weight_only:  # the kernel is linear in x: its own derivative
                 terms.append(jax.jvp(lambda x: kernel(x, q), (x,), (dx,))[1])
             else:  # rounded activations: straight through, onto the dequantised weight
-                terms.append(float_dot(dx, q.dequantize()))
+                terms.append(float_op(dx, q.dequantize()))
         if not compat.is_symbolic_zero(dw):  # the weight: straight through
-            terms.append(float_dot(_read_activations(x, side, dn, recipe), _masked(dw, unclipped)))
+            read = _read_activations(x, recipe, lambda x: quantize(x, recipe))
+            terms.append(float_op(read, _masked(dw, unclipped)))
         if not terms:
             return y, jnp.zeros_like(y)
         dy = terms[0] if len(terms) == 1 else terms[0] + terms[1]
         return y, dy.astype(y.dtype)
 
-    dot.defjvp(dot_jvp, symbolic_zeros=True)
-    return [dot(jnp.asarray(vals[1 - side]), master.w, master.q, master.unclipped)]
+    op.defjvp(op_jvp, symbolic_zeros=True)
+    return [op(jnp.asarray(vals[1 - side]), master.w, master.q, master.unclipped)]
 
 
 class _QuantizationAwareRules(interpret.Rules):
@@ -183,14 +220,16 @@ class _QuantizationAwareRules(interpret.Rules):
         name = eqn.primitive.name
         if name == "dot_general":
             return _dot(eqn, vals)
-        if name in ("convert_element_type", "transpose"):
+        if name == "conv_general_dilated":
+            return _conv(eqn, vals)
+        if name in rules_lib.LAYOUT_OPS:
             master = vals[0]
             q = rules_lib._layout(eqn, master.q)  # as `jaxmp.quantized` lays it out
             if q is not None:
                 (w,) = compat.bind(eqn, [master.w])
                 unclipped = master.unclipped
-                if unclipped is not None and name == "transpose":
-                    unclipped = lax.transpose(unclipped, eqn.params["permutation"])
+                if unclipped is not None and name != "convert_element_type":
+                    (unclipped,) = compat.bind(eqn, [unclipped])  # transposed or reversed
                 return [_Master(w, q, unclipped)]
         elif compat.has_subjaxprs(eqn.params):
             outs = interp.higher_order(eqn, vals)
@@ -276,13 +315,16 @@ def quantization_aware(
 
     ``quantization_aware(fun, recipe=r)(params, *args)`` computes, in the forward pass, what
     ``jaxmp.quantized(fun)(jaxmp.quantize(fun, params, *args, recipe=r), *args)`` computes,
-    bit for bit: the same leaves are matmul weights (`jaxmp.quantization_plan`, the same
-    `exclude` patterns), quantised by the same code inside the traced program at every call,
-    and their matmuls run the same kernels (int8 x int8 -> int32 for `"int8_dynamic"`, E4M3
-    x E4M3 for `"fp8"`, the int4 weight dequantised into the matmul's dtype, ...). `params`
-    stay float (the master copy the optimizer updates); the model learns around the rounding
-    it will be served with, and `jaxmp.quantize` of the trained params serves exactly what
-    was trained (`QuantizationAware.quantize` takes the same recipe and exclude patterns).
+    bit for bit: the same leaves are matmul weights or convolution kernels
+    (`jaxmp.quantization_plan`, the same `exclude` patterns), quantised by the same code
+    inside the traced program at every call, and their matmuls and convolutions run the same
+    kernels (int8 x int8 -> int32 for `"int8_dynamic"`, E4M3 x E4M3 for `"fp8"`, the int4
+    weight dequantised into the matmul's dtype, ...); bit for bit as tested on jaxlib 0.12
+    (older XLA:CPU, fusing a weight's quantisation into its matmul, may round the last bit of
+    some outputs differently). `params` stay float (the master copy the optimizer updates);
+    the model learns around the rounding it will be served with, and `jaxmp.quantize` of
+    the trained params serves exactly what was trained (`QuantizationAware.quantize` takes
+    the same recipe and exclude patterns).
 
     The derivative of rounding to a grid is zero almost everywhere, so a quantised weight's
     gradient is the straight-through estimator (STE, Bengio et al. 2013, "Estimating or

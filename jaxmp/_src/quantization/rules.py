@@ -15,8 +15,13 @@ operand:
   (on CPU, whose dot would widen FP8 operands to float32 copies, as bfloat16 x bfloat16 ->
   float32: the same products); `Int4WeightOnly` dequantises the weight into the matmul's
   dtype in one pass and accumulates in float32. No float32 copy of a weight is made.
+* ``conv_general_dilated`` whose kernel (rhs) is quantised over its input-feature and spatial
+  axes runs the same kernels as a convolution (`quantized_conv`): the weight-only recipes on
+  the kernel, the dynamic ones on both operands, the activations with one scale per batch
+  element (`quantize_conv_activations`), int8 x int8 -> int32 and E4M3 x E4M3 -> float32.
 * ``convert_element_type`` to a floating dtype keeps the weight quantised (the dtype is
-  recorded); so does ``transpose`` (values and scales transposed), except for int4.
+  recorded); so do ``transpose`` and ``rev`` (values and scales transposed or reversed: a
+  transposed convolution's kernel), except for int4.
 * ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint`` and custom-rule functions are
   evaluated under these rules (custom JVP/VJP rules inlined: this is inference).
 * Every other equation dequantises its quantised operands and runs as traced.
@@ -145,6 +150,91 @@ def quantized_dot(
     return (y * w_scale).astype(out_dtype)
 
 
+def conv_kernel_fits(params: dict[str, Any], lhs: Any, rhs: Any) -> bool:
+    """Whether a ``conv_general_dilated`` (its equation's `params`) of activations `lhs` and
+    kernel `rhs` can run the recipe's kernel: `rhs` quantised over the convolution's
+    contraction axes (the kernel's input-feature and spatial axes), `lhs` not quantised, no
+    batch groups (the plan quantises no kernel of such a convolution)."""
+    if not q_lib.is_quantized(rhs) or q_lib.is_quantized(lhs) or params["batch_group_count"] != 1:
+        return False
+    return _fits(rhs, params["dimension_numbers"].rhs_spec[1:])
+
+
+def quantize_conv_activations(
+    x: jax.Array, params: dict[str, Any], recipe: Any
+) -> tuple[jax.Array, jax.Array]:
+    """``(values, scales)`` of a convolution's activations (lhs) `x` as the dynamic recipes'
+    kernel reads them: one absmax scale per batch element, `x` rounded on the recipe's grid.
+
+    Per batch element because a scale comes out of a convolution's sum only where it is
+    constant over every value that sum reads: the window of an output position reads every
+    input feature (of its group) over a patch of positions, and the windows of neighbouring
+    positions overlap, so a scale constant over each window is constant over the whole image.
+    (A matmul's per-row scale is the same rule: the row is what one output reads.)
+    """
+    batch = params["dimension_numbers"].lhs_spec[0]
+    axes = tuple(d for d in range(x.ndim) if d != batch)
+    scale = q_lib.absmax_scale(x, axes, recipe.qmax)
+    return q_lib.quantize_values(x, scale, recipe), scale
+
+
+def _along(scale: jax.Array, axis: int, ndim: int) -> jax.Array:
+    """A scale of one value per position of one axis (the others of size 1), laid out to
+    broadcast along axis `axis` of an array of `ndim` axes."""
+    shape = [1] * ndim
+    shape[axis] = -1
+    return scale.reshape(shape)
+
+
+def quantized_conv(x: jax.Array, w: q_lib.QuantizedArray, eqn: Any) -> jax.Array:
+    """The recipe's kernel for convolution `eqn` (a ``conv_general_dilated``) of activations
+    `x` and quantised kernel `w` (`conv_kernel_fits`).
+
+    As `quantized_dot`: weight-only int8 converts the kernel to the convolution's dtype and
+    scales the float32 output per output feature; int4 dequantises the kernel into the
+    convolution's dtype in one pass, read as it is stored (the dimension numbers follow it),
+    and accumulates in float32; the dynamic recipes quantise the activations
+    (`quantize_conv_activations`) and run int8 x int8 -> int32 or E4M3 x E4M3 -> float32 (on
+    CPU as bfloat16 x bfloat16), rescaled by the image's and the output feature's scales.
+    `jaxmp.quantized` and `jaxmp.quantization_aware` run this one function.
+    """
+    params = eqn.params
+    dn = params["dimension_numbers"]
+    out_dtype = eqn.outvars[0].aval.dtype
+    acc_dtype = q_lib.scale_dtype(out_dtype)  # float32, float64 for a float64 convolution
+    x = jnp.asarray(x)
+    ndim = x.ndim
+
+    def conv(a: jax.Array, b: jax.Array, preferred: Any, rhs_spec: Any = None) -> jax.Array:
+        changes: dict[str, Any] = {"preferred_element_type": jnp.dtype(preferred)}
+        if rhs_spec is not None:
+            changes["dimension_numbers"] = dn._replace(rhs_spec=rhs_spec)
+        (y,) = compat.bind(eqn, [a, b], {**params, **changes})
+        return y  # type: ignore[no-any-return]
+
+    recipe = w.recipe
+    if isinstance(recipe, q_lib.Int4WeightOnly):
+        moved, axes = q_lib.dequantize_moved(w)
+        return conv(x, moved, acc_dtype, tuple(axes[d] for d in dn.rhs_spec)).astype(out_dtype)
+    # The kernel's scales: one per output feature (the other axes, contracted, of size 1).
+    w_scale = _along(w.scales, dn.out_spec[1], ndim).astype(acc_dtype)
+    if isinstance(recipe, q_lib.Int8WeightOnly):
+        return (conv(x, w.values.astype(w.dtype), acc_dtype) * w_scale).astype(out_dtype)
+    xq, x_scale = quantize_conv_activations(x, params, recipe)
+    if isinstance(recipe, q_lib.Int8DynamicActivations):
+        acc = conv(xq, w.values, jnp.int32)
+    else:
+        acc = _fp8_product(conv, xq, w.values)
+    y = acc.astype(acc_dtype) * _along(x_scale, dn.out_spec[0], ndim).astype(acc_dtype)
+    return (y * w_scale).astype(out_dtype)
+
+
+def _conv(eqn: Any, vals: list[Any]) -> list[Any]:
+    if not conv_kernel_fits(eqn.params, *vals):
+        return compat.bind(eqn, [_dequantize(v) for v in vals])
+    return [quantized_conv(vals[0], vals[1], eqn)]
+
+
 def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
     params = eqn.params
     dn = params["dimension_numbers"]
@@ -170,8 +260,13 @@ def _fp8_product(dot: Callable[..., jax.Array], xq: jax.Array, wq: jax.Array) ->
     return lax.platform_dependent(xq, wq, cpu=widened, default=native)
 
 
+#: The layout ops a quantised weight goes through kept quantised (`_layout`).
+LAYOUT_OPS = ("convert_element_type", "transpose", "rev")
+
+
 def _layout(eqn: Any, x: q_lib.QuantizedArray) -> Any:
-    """A ``convert_element_type`` or ``transpose`` of a quantised weight, kept quantised."""
+    """A ``convert_element_type``, ``transpose`` or ``rev`` of a quantised weight, kept
+    quantised (None: dequantised)."""
     name = eqn.primitive.name
     if name == "convert_element_type":
         dtype = jnp.dtype(eqn.outvars[0].aval.dtype)
@@ -180,6 +275,11 @@ def _layout(eqn: Any, x: q_lib.QuantizedArray) -> Any:
         return dataclasses.replace(x, dtype=dtype)
     if isinstance(x.recipe, q_lib.Int4WeightOnly):
         return None  # its values are laid out by output channel and group: dequantised
+    if name == "rev":  # the scales have the weight's axes (1 where contracted): reversed too
+        dims = tuple(eqn.params["dimensions"])
+        return dataclasses.replace(
+            x, values=lax.rev(x.values, dims), scales=lax.rev(x.scales, dims)
+        )
     perm = tuple(eqn.params["permutation"])
     ndim = len(perm)
     old = {c + ndim for c in x.contract}
@@ -217,7 +317,9 @@ class _QuantizedRules(interpret.Rules):
         name = eqn.primitive.name
         if name == "dot_general":
             return _dot(eqn, vals)
-        if name in ("convert_element_type", "transpose"):
+        if name == "conv_general_dilated":
+            return _conv(eqn, vals)
+        if name in LAYOUT_OPS:
             out = _layout(eqn, vals[0])
             if out is not None:
                 return [out]
