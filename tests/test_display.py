@@ -70,7 +70,7 @@ def test_quantization_plan_shows_a_table_of_its_leaves():
         [
             "b",
             "no",
-            "not a matmul weight: added to the activations (a bias; after broadcast_in_dim)",
+            "not a matmul weight: added to another value (as a bias is; after broadcast_in_dim)",
         ],
         ["v", "yes", "matmul weight, contracted over axes (0,)"],
         ["w", "yes", "matmul weight, contracted over axes (0,)"],

@@ -831,10 +831,10 @@ def test_the_plan_says_what_a_leaf_that_is_not_quantised_is():
         leaf.path: leaf.reason
         for leaf in jaxmp.quantization_plan(model.apply, variables, tokens, recipe="int8")
     }
-    bias = "not a matmul weight: added to the activations (a bias; after reshape)"
+    bias = "not a matmul weight: added to another value (as a bias is; after reshape)"
     assert plan["params/Dense_0/bias"] == plan["params/LayerNorm_0/bias"] == bias
     assert plan["params/LayerNorm_0/scale"] == (
-        "not a matmul weight: multiplies the activations (a scale; after reshape)"
+        "not a matmul weight: multiplied by another value (as a scale is; after reshape)"
     )
     assert plan["params/Embed_0/embedding"] == "not a matmul weight: read by gather (an embedding)"
     assert plan["params/Dense_0/kernel"] == "matmul weight, contracted over axes (0,)"
@@ -851,4 +851,80 @@ def test_the_plan_says_what_a_leaf_that_is_not_quantised_is():
     (leaf,) = jaxmp.quantization_plan(
         reshaped, {"w": jnp.ones(32)}, jnp.ones((1, 8)), recipe="int8"
     )
-    assert leaf.reason == "not a matmul weight: reshaped or broadcast before its matmul (reshape)"
+    assert leaf.reason == (
+        "not a matmul weight: reshaped, sliced or broadcast before its matmul (reshape)"
+    )
+
+
+def test_plan_reasons_claim_no_activations_for_params_combined_with_params():
+    # A masked weight, a low-rank update, a normalised weight and a fused projection sliced
+    # into three: each is left alone, and no reason calls the other operand activations.
+    x = jnp.ones((2, 32))
+    w, mask = jnp.ones((32, 8)), jnp.ones((32, 8))
+    cases = {
+        "masked": (lambda p, x: x @ (p["w"] * p["mask"]), {"w": w, "mask": mask}),
+        "lora": (
+            lambda p, x: x @ (p["w"] + p["a"] @ p["b"]),
+            {"w": w, "a": jnp.ones((32, 2)), "b": jnp.ones((2, 8))},
+        ),
+        "normalised": (lambda p, x: x @ (p["w"] / jnp.linalg.norm(p["w"], axis=0)), {"w": w}),
+        "sliced": (lambda p, x: sum(x @ p["w"][:, 4 * i : 4 * i + 4] for i in range(2)), {"w": w}),
+    }
+    reasons = {}
+    for name, (fun, params) in cases.items():
+        plan = jaxmp.quantization_plan(fun, params, x, recipe="int8")
+        reasons[name] = {leaf.path: leaf.reason for leaf in plan}
+        assert not any("activations" in r for r in reasons[name].values()), reasons[name]
+    assert (
+        reasons["masked"]["w"] == "not a matmul weight: multiplied by another value (as a scale is)"
+    )
+    assert reasons["lora"]["w"] == "not a matmul weight: added to another value (as a bias is)"
+    assert reasons["lora"]["a"] == "matmul weight, contracted over axes (1,)"
+    assert "in a division (as a scale is)" in reasons["normalised"]["w"]
+    assert reasons["sliced"]["w"] == (
+        "not a matmul weight: reshaped, sliced or broadcast before its matmul (slice)"
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("spec", ["ebd,edf->ebf", "bhd,hde->bhe", "bhd,dhe->bhe", "hbd,hde->bhe"])
+def test_batched_matmuls_with_batch_axes_anywhere(spec, dtype):
+    # Per-expert and per-head weights: the batch axes leading or not, in the activations and
+    # in the weight (XLA:CPU has no batched bfloat16 x bfloat16 -> float32 dot for some of
+    # these layouts: the kernels move the batch axes first).
+    shapes = {"e": 4, "b": 8, "d": 128, "f": 64, "h": 4}
+    x_spec, w_spec = spec.split("->")[0].split(",")
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.normal(size=[shapes[c] for c in w_spec]) / 11, dtype)}
+    x = jnp.asarray(rng.normal(size=[shapes[c] for c in x_spec]), dtype)
+
+    def fun(p, x):
+        return jnp.einsum(spec, x, p["w"])
+
+    ref = fun(p, x)
+    for name, recipe in RECIPES.items():
+        q = jaxmp.quantize(fun, p, x, recipe=recipe)
+        assert isinstance(q["w"], jaxmp.QuantizedArray), name
+        y = jax.jit(jaxmp.quantized(fun))(q, x)
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert _rel_err(y, ref) < MODEL_TOLERANCE[name], name
+
+
+@pytest.mark.parametrize("recipe", ["int8", "int4"])
+def test_example_args_given_as_shapes(recipe):
+    # As the docstring says: an example argument may be a jax.ShapeDtypeStruct (positional
+    # or keyword), with the same result as an array of that shape.
+    def fun(p, x, *, scale):
+        return (x @ p["w"] + p["b"]) * scale
+
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.normal(size=(128, 8)), jnp.float32), "b": jnp.zeros(8)}
+    x, scale = jnp.ones((2, 128)), jnp.ones(())
+    shapes = jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((), jnp.float32)
+    from_arrays = jaxmp.quantize(fun, p, x, recipe=recipe, scale=scale)
+    from_shapes = jaxmp.quantize(fun, p, shapes[0], recipe=recipe, scale=shapes[1])
+    assert jax.tree.structure(from_shapes) == jax.tree.structure(from_arrays)
+    for a, b in zip(jax.tree.leaves(from_shapes), jax.tree.leaves(from_arrays), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    plan = jaxmp.quantization_plan(fun, p, shapes[0], recipe=recipe, scale=shapes[1])
+    assert [leaf.quantized for leaf in plan] == [False, True]

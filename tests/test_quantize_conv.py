@@ -266,7 +266,7 @@ def test_plan_says_why_a_convolution_operand_is_left_alone():
     )
     assert plan["flat"] == (
         False,
-        "not a matmul weight: reshaped or broadcast before its convolution (reshape)",
+        "not a matmul weight: reshaped, sliced or broadcast before its convolution (reshape)",
     )
     assert plan["batched"] == (
         False,

@@ -113,6 +113,19 @@ def test_a_zero_size_contraction_is_quantised(recipe):
     np.testing.assert_array_equal(np.asarray(y), np.zeros((2, 8), np.float32))
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_weight_with_no_output_channels_is_quantised(recipe):
+    def layer(p, x):
+        return x @ p["w"]
+
+    p = {"w": jnp.ones((256, 0), jnp.float32)}
+    x = jnp.ones((2, 256), jnp.float32)
+    q = jaxmp.quantize(layer, p, x, recipe=recipe)
+    assert q["w"].shape == (256, 0) and q["w"].dequantize().shape == (256, 0)
+    for y in (jaxmp.quantized(layer)(q, x), jax.jit(jaxmp.quantized(layer))(q, x)):
+        assert y.shape == (2, 0) and y.dtype == jnp.float32
+
+
 # --- NaN and inf, on the device --------------------------------------------------------------
 
 

@@ -99,15 +99,15 @@ _CONV_INPUT = "conv_general_dilated lhs"
 _CONV_BATCH_GROUPS = "conv_general_dilated batch groups"
 # What a leaf is, from the op that uses it.
 _USED_AS = {
-    "add": "added to the activations (a bias)",
-    "add_any": "added to the activations (a bias)",
-    "sub": "added to the activations (a bias)",
-    "mul": "multiplies the activations (a scale)",
-    "div": "divides the activations (a scale)",
+    "add": "added to another value (as a bias is)",
+    "add_any": "added to another value (as a bias is)",
+    "sub": "in a subtraction (as a bias is)",
+    "mul": "multiplied by another value (as a scale is)",
+    "div": "in a division (as a scale is)",
     "gather": "read by gather (an embedding)",
     "dynamic_slice": "read by dynamic_slice (an embedding)",
-    "dot_general": "reshaped or broadcast before its matmul",
-    "conv_general_dilated": "reshaped or broadcast before its convolution",
+    "dot_general": "reshaped, sliced or broadcast before its matmul",
+    "conv_general_dilated": "reshaped, sliced or broadcast before its convolution",
     _CONV_INPUT: "the input of a convolution, not its kernel",
     _CONV_BATCH_GROUPS: "the kernel of a convolution with batch_group_count > 1",
     "returned": "returned by the function",
@@ -253,20 +253,28 @@ def _plan(
             )
     leaves = [leaf for _, leaf in with_path]
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    # Example arguments given as shapes (jax.ShapeDtypeStruct) are traced as inputs; the
+    # others are the call's constants.
+    arg_leaves, arg_tree = jax.tree.flatten((args, kwargs))
+    shaped = [j for j, a in enumerate(arg_leaves) if isinstance(a, jax.ShapeDtypeStruct)]
 
     def flat(*values: Any) -> Any:
         full = list(leaves)
-        for i, v in zip(arrays, values, strict=True):
+        for i, v in zip(arrays, values[: len(arrays)], strict=True):
             full[i] = v
-        return fun(jax.tree.unflatten(treedef, full), *args, **kwargs)
+        call = list(arg_leaves)
+        for j, v in zip(shaped, values[len(arrays) :], strict=True):
+            call[j] = v
+        call_args, call_kwargs = jax.tree.unflatten(arg_tree, call)
+        return fun(jax.tree.unflatten(treedef, full), *call_args, **call_kwargs)
 
     # Weak types kept (a Python scalar leaf under jax.jit): they decide the traced dtypes.
     structs = [interpret.shape_struct(leaves[i]) for i in arrays]
-    closed = jax.make_jaxpr(flat)(*structs)
+    closed = jax.make_jaxpr(flat)(*structs, *(arg_leaves[j] for j in shaped))
     uses: list[set[Any]] = [set() for _ in arrays]
     origins = {
         var: _Origin(k, tuple(range(len(s.shape))))
-        for k, (var, s) in enumerate(zip(closed.jaxpr.invars, structs, strict=True))
+        for k, (var, s) in enumerate(zip(closed.jaxpr.invars[: len(arrays)], structs, strict=True))
     }
     _uses(closed.jaxpr, origins, uses)
 
@@ -292,7 +300,7 @@ def _plan(
 
 def _used_as(others: Sequence[str]) -> str:
     """What the uses of a leaf (``"add after reshape"``, ``"gather"``) say it is, each with
-    the ops it went through: ``"added to the activations (a bias; after reshape)"``."""
+    the ops it went through: ``"added to another value (as a bias is; after reshape)"``."""
     said = []
     for use in others:
         name, _, after = use.partition(" after ")
@@ -369,7 +377,7 @@ def quantization_plan(
       >>> p = {"b": jnp.zeros(4), "v": jnp.ones((4, 2)), "w": jnp.ones((8, 4))}
       >>> for leaf in jaxmp.quantization_plan(mlp, p, jnp.ones((1, 8)), recipe="int8"):
       ...     print(leaf.path, leaf.quantized, leaf.reason)
-      b False not a matmul weight: added to the activations (a bias; after broadcast_in_dim)
+      b False not a matmul weight: added to another value (as a bias is; after ...)
       v True matmul weight, contracted over axes (0,)
       w True matmul weight, contracted over axes (0,)
     """

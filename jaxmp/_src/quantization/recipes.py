@@ -350,7 +350,8 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
         return jnp.where(n >= 8, n - 16, n).astype(jnp.int8)
 
     low, high = signed(packed & 0xF), signed(packed >> 4)
-    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+    # The last axis's length given, not -1: a weight with no output channels has none to infer.
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 #: The int4 scale candidates, as fractions of ``amax / 7`` (1: nothing clipped).

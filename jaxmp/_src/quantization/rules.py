@@ -117,7 +117,7 @@ def quantized_dot(
 
     def dot(a: jax.Array, b: jax.Array, preferred: Any) -> jax.Array:
         operands = (b, a) if side == 0 else (a, b)  # a: the activations, b: the weight
-        return lax.dot_general(*operands, dn, precision=precision, preferred_element_type=preferred)
+        return _batch_first_dot(*operands, dn, precision, preferred)
 
     # Rescaled in float32, or float64 for a float64 matmul (its range).
     acc_dtype = q_lib.scale_dtype(out_dtype)
@@ -233,6 +233,34 @@ def _conv(eqn: Any, vals: list[Any]) -> list[Any]:
     if not conv_kernel_fits(eqn.params, *vals):
         return compat.bind(eqn, [_dequantize(v) for v in vals])
     return [quantized_conv(vals[0], vals[1], eqn)]
+
+
+def _batch_first_dot(
+    lhs: jax.Array, rhs: jax.Array, dn: Any, precision: Any, preferred: Any
+) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dn, ...)`` with each operand's batch axes moved first
+    where they are not (the same result: a dot's output is its batch axes, then the free
+    axes of each operand in order). XLA:CPU has no batched bfloat16 x bfloat16 -> float32
+    dot for some layouts whose batch axes are not leading (a per-head weight)."""
+    (lc, rc), (lb, rb) = dn
+
+    def batch_first(x: jax.Array, contract: Any, batch: Any) -> tuple[jax.Array, tuple[int, ...]]:
+        if tuple(batch) == tuple(range(len(batch))):
+            return x, tuple(contract)
+        perm = (*batch, *(d for d in range(x.ndim) if d not in batch))
+        where = {d: i for i, d in enumerate(perm)}
+        return lax.transpose(x, perm), tuple(where[d] for d in contract)
+
+    lhs, lc = batch_first(lhs, lc, lb)
+    rhs, rc = batch_first(rhs, rc, rb)
+    leading = tuple(range(len(lb)))
+    return lax.dot_general(
+        lhs,
+        rhs,
+        ((lc, rc), (leading, leading)),
+        precision=precision,
+        preferred_element_type=preferred,
+    )
 
 
 def _dot(eqn: Any, vals: list[Any]) -> list[Any]:
