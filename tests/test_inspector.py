@@ -889,6 +889,42 @@ def test_a_full_train_step_reports_no_loss_scale_as_the_users():
     assert all(r.file == __file__ for r in report.rows)
 
 
+def _first_trace(w, x):
+    """A train step of its own, traced here first: the jitted helpers it calls (the loss
+    scale's update's jnp.clip) are traced from these lines."""
+    opt = jaxmp.mixed_precision(optax.sgd(0.1), "mixed_float16")
+
+    def elsewhere(w, state, x):
+        grads = jaxmp.value_and_grad(lambda w: jnp.sum(x @ w))(jaxmp.get_loss_scale(state), w)[1]
+        return opt.update(grads, state, w)
+
+    return jax.jit(elsewhere)(w, opt.init(w), x)
+
+
+def test_ops_of_helpers_traced_before_point_at_this_call():
+    # jax 0.8 keeps a jitted helper's trace with the traceback of the call that traced it
+    # first: the loss scale's update's jnp.clip, traced by _first_trace, pointed there.
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    opt = jaxmp.mixed_precision(optax.sgd(0.1), "mixed_float16")
+
+    def step(w, state, x):
+        value, grads = jaxmp.value_and_grad(loss)(jaxmp.get_loss_scale(state), w, x)
+        updates, state = opt.update(grads, state, w)
+        return optax.apply_updates(w, updates), state, value
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 4
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    state = opt.init(w)
+    _first_trace(w, x)
+    _, report = jax.jit(jaxmp.inspect(step))(w, state, x)
+    clipped = [r for r in report.rows if r.primitive in ("max", "min")]
+    assert clipped and all(r.library == "jaxmp" for r in clipped)
+    functions = {r.function.rsplit(".", 1)[-1] for r in report.rows}
+    assert functions <= {"step", "loss"}, functions
+
+
 def test_autocasts_casts_of_the_outputs_are_jaxmps_under_a_lambda():
     def f(x):
         return jnp.tanh(x @ x)

@@ -44,6 +44,7 @@ __all__ = [
     "is_tracer",
     "jaxpr_and_consts",
     "jaxprs_in_params",
+    "traced_functions",
     "known_primitive_names",
     "lowered_primitive_names",
     "name_stack_of",
@@ -410,6 +411,21 @@ def user_frames(eqn: Any, traced: tuple[str, str] | None = None) -> list[tuple[s
             if file == traced[0] and function.rsplit(".", 1)[-1] == traced[1]:
                 return frames[: i + 1]
     return frames
+
+
+def traced_functions(eqn: Any) -> list[tuple[str, str]]:
+    """``(file, name)`` of each function whose jaxpr is nested in `eqn` (a ``jit``'s, a
+    loop's body), from the jaxprs' debug info (``func_src_info``: ``"name at file:line"``);
+    those without one are left out."""
+    found = []
+    for sub in jaxprs_in_params(eqn.params):
+        inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+        info = getattr(getattr(inner, "debug_info", None), "func_src_info", None)
+        if not isinstance(info, str) or " at " not in info:
+            continue
+        name, _, where = info.rpartition(" at ")
+        found.append((where.rsplit(":", 1)[0], name))
+    return found
 
 
 def varying_axes(x: Any) -> frozenset[str]:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -361,8 +363,10 @@ class Interpreter:
         # equation JAX made has none of its own).
         frames = compat.user_frames(eqn, _TRACED)
         for outer in reversed(self._outer):
-            if frames and _at_root(frames[-1]):
-                break
+            # jax 0.8 goes on past the nested function, through the frames of the call that
+            # traced it first (a cached trace: another call's, from another line): the
+            # function's own frames are kept, and the caller's are `outer`'s.
+            frames = _inside(frames, compat.traced_functions(outer))
             frames += compat.user_frames(outer, _TRACED)
         return Location(tuple(stack), tuple(frames))
 
@@ -856,9 +860,25 @@ class TracedCall:
 _TRACED = (__file__, "flat_fun")
 
 
-def _at_root(frame: tuple[str, int, str]) -> bool:
-    """Whether `frame` is that of the function `trace_call` traces (the frames' last)."""
-    return frame[0] == _TRACED[0] and frame[2].rsplit(".", 1)[-1] == _TRACED[1]
+def _inside(
+    frames: list[tuple[str, int, str]], functions: Sequence[tuple[str, str]]
+) -> list[tuple[str, int, str]]:
+    """`frames` (innermost first) up to that of the first of `functions` (``(file, name)``,
+    the functions a nested equation traced) they hold; none of them if the functions are
+    JAX's own (their frames are left out of tracebacks: every frame is a caller's); all of
+    them if no function is known."""
+    for i, (file, _, function) in enumerate(frames):
+        if any(file == f and function.rsplit(".", 1)[-1] == n for f, n in functions):
+            return frames[: i + 1]
+    if functions and all(_is_jax_file(f) for f, _ in functions):
+        return []
+    return frames
+
+
+@functools.cache
+def _is_jax_file(path: str) -> bool:
+    jax_dir = os.path.join(os.path.realpath(os.path.dirname(str(jax.__file__))), "")
+    return os.path.realpath(path).startswith(jax_dir)
 
 
 def trace_call(
