@@ -10,6 +10,9 @@ weights alone) and of the cache, and greedy generation's tokens per second (a pr
 one-token steps against the cache, jitted, the median of ``--runs`` runs). The model function
 is unmodified: `jaxmp.quantized` runs it.
 
+``--recipes`` also takes ``int8_calibrated`` and ``fp8_calibrated``: int8_dynamic and FP8 with
+static activation scales, `jaxmp.calibrate`'s from 8 batches of the training text.
+
 The rows: bf16 first, then each recipe, with the first cache of ``--kv-cache`` (``bf16``: the
 compute dtype); then the bfloat16 weights with each further cache (``int8``, ``fp8``: a
 `jaxmp.KVCache` with one scale per head and position; ``f32``). The table is also written to
@@ -25,6 +28,7 @@ Usage:
     python examples/train.py --workdir runs/q            # or a run directory of your own
     python examples/serve.py --workdir runs/q
     python examples/serve.py --workdir runs/q --recipes int8,fp8 --batch 64 --tokens 32
+    python examples/serve.py --workdir runs/q --recipes fp8,fp8_calibrated  # static FP8 scales
     python examples/serve.py --workdir runs/q --kv-cache int8  # every recipe with an int8 cache
     python examples/serve.py --workdir runs/q --step 1400  # an earlier checkpoint of the run
     python examples/serve.py --workdir runs/q --agreement 256  # int8 and FP8 caches vs bf16
@@ -83,6 +87,10 @@ __all__ = [
 ]
 
 RECIPE_NAMES = ("int8", "int8_dynamic", "fp8", "int4")
+# Rows of an activation recipe with static activation scales (`jaxmp.calibrate` on
+# `CALIBRATION_BATCHES` batches of the training text): ``--recipes int8_calibrated,...``.
+CALIBRATED = {"int8_calibrated": "int8_dynamic", "fp8_calibrated": "fp8"}
+CALIBRATION_BATCHES = 8
 BASELINE = "p=bf16,c=bf16,o=f32"  # the bfloat16 model every recipe is compared with
 # The key/value caches: `jaxmp.KVCache`'s format and the dtype it stores unquantised values in
 # (None: the compute dtype, bfloat16).
@@ -300,7 +308,12 @@ def serve(
             p, run_apply, run_decode = params, apply, decode
         else:
             recipe = jaxmp.Int4WeightOnly(group_size) if name == "int4" else name
-            p = served_params(apply, trained, example, recipe, exclude)
+            p = served_params(apply, trained, example, CALIBRATED.get(recipe, recipe), exclude)
+            if name in CALIBRATED:
+                text = data_lib.eval_batches(
+                    dataset.train, CALIBRATION_BATCHES, config.batch_size, config.seq_len
+                )
+                p = jaxmp.calibrate(apply, p, [x for x, _ in text])
             run_apply, run_decode = jaxmp.quantized(apply), jaxmp.quantized(decode)
         caches = makers[kv]
         rows.append(
@@ -519,7 +532,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--recipes",
         default=",".join(RECIPE_NAMES),
-        help=f"comma-separated, of {', '.join(RECIPE_NAMES)} (default: all)",
+        help=f"comma-separated, of {', '.join((*RECIPE_NAMES, *CALIBRATED))} (default: "
+        f"{', '.join(RECIPE_NAMES)})",
     )
     parser.add_argument(
         "--kv-cache",
@@ -556,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir()
     try:
         for flag, names, choices in (
-            ("--recipes", recipes, RECIPE_NAMES),
+            ("--recipes", recipes, (*RECIPE_NAMES, *CALIBRATED)),
             ("--kv-cache", kv_caches, tuple(KV_CACHES)),
         ):
             for name in names:

@@ -42,6 +42,7 @@ from jaxmp._src.loss_scaling import LossScalingState, loss_scaling
 from jaxmp._src.master_weights import MasterWeightsState, master_weights
 from jaxmp._src.mixed_precision import default_loss_scale, mixed_precision
 from jaxmp._src.policy import Policy, get_policy
+from jaxmp._src.quantization.calibrate import calibrate
 from jaxmp._src.quantization.kv_cache import KVCache
 from jaxmp._src.quantization.plan import QuantizedLeaf, quantization_plan, quantize
 from jaxmp._src.quantization.qat import QuantizationAware, quantization_aware
@@ -115,6 +116,7 @@ __all__ = (
     "Quantized",
     "QuantizedArray",
     "QuantizedLeaf",
+    "calibrate",
     "quantization_aware",
     "quantization_plan",
     "quantize",

@@ -554,6 +554,11 @@ def digits_accuracies(steps=300, seed=0):
         logits = jaxmp.quantized(model.apply)(q, x_test)
         assert not np.array_equal(np.asarray(logits), np.asarray(bf16_logits)), name
         predictions[name] = np.argmax(logits, -1)
+        if name in ("int8_dynamic", "fp8"):  # static activation scales from 4 training batches
+            c = jaxmp.calibrate(model.apply, q, [x_train[i : i + 64] for i in range(0, 256, 64)])
+            assert all(c["params"][k]["kernel"].act_scale is not None for k in c["params"])
+            logits = jaxmp.quantized(model.apply)(c, x_test)
+            predictions[f"{name} calibrated"] = np.argmax(logits, -1)
     return {
         name: (float(np.mean(p == y_test)) * 100, int(np.sum(p != predictions["bf16"])))
         for name, p in predictions.items()
@@ -568,7 +573,8 @@ def test_a_digits_cnn_served_with_every_recipe_within_half_a_point_of_bfloat16()
     for name, (accuracy, changed) in results.items():
         print(f"| {name} | {accuracy:.2f}% | {accuracy - base:+.2f} | {changed} of 797 |")
     assert base > 95
-    for name in RECIPES:
+    assert len(results) == 1 + len(RECIPES) + 2  # bf16, each recipe, two calibrated
+    for name in results:
         assert abs(results[name][0] - base) <= 0.5, (name, results)
 
 

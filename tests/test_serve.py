@@ -157,8 +157,8 @@ def test_serve_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
         (["--workdir", "nowhere"], "--workdir: nowhere holds no run (no config.yaml)"),
         (
             ["--workdir", "x", "--recipes", "int9"],
-            "--recipes must be names of int8, "
-            "int8_dynamic, fp8, int4, got 'int9'. Did you mean 'int8'?",
+            "--recipes must be names of int8, int8_dynamic, fp8, int4, int8_calibrated, "
+            "fp8_calibrated, got 'int9'. Did you mean 'int8'?",
         ),
         (
             ["--workdir", "x", "--kv-cache", "bf16,int9"],
@@ -331,3 +331,23 @@ def test_the_served_weights_are_quantised_from_the_params_as_trained():
     for got, param in zip(jax.tree.leaves(bf16), jax.tree.leaves(params), strict=True):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(got, param.astype(jnp.bfloat16))
+
+
+def test_calibrated_rows_serve_static_activation_scales(saved_run, monkeypatch):
+    calls = []
+    calibrate = jaxmp.calibrate
+
+    def counting(fun, qparams, batches):
+        batches = list(batches)
+        calls.append(len(batches))
+        return calibrate(fun, qparams, batches)
+
+    monkeypatch.setattr(jaxmp, "calibrate", counting)
+    rows = serve.serve(saved_run, ["fp8", "fp8_calibrated"], kv_caches=("bf16",), tokens=2, runs=1)
+    assert [r.recipe for r in rows] == ["bf16", "fp8", "fp8_calibrated"]
+    assert calls == [serve.CALIBRATION_BATCHES]
+    base, dynamic, static = rows
+    assert dynamic.val_loss != static.val_loss  # not the dynamic scales
+    assert abs(static.val_loss / base.val_loss - 1) < 0.01
+    # One float32 activation scale per output channel, stored with the weights.
+    assert static.weight_bytes > dynamic.weight_bytes

@@ -187,7 +187,7 @@ def get_recipe(recipe: Any) -> Recipe:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["values", "scales"],
+    data_fields=["values", "scales", "act_scale"],
     meta_fields=["recipe", "dtype", "contract", "contract_shape"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +210,11 @@ class QuantizedArray:
       dtype: the dtype of the weight it stands for.
       contract: the contraction axes, negative.
       contract_shape: their sizes.
+      act_scale: None (the activations' scales are computed at run time), or, after
+        `jaxmp.calibrate`, the static scale of the activations this weight's matmul reads
+        (float32, float64 for a float64 weight): the shape of `scales`, one value repeated
+        over the output channels, so that it is sliced with the weight (a stacked leaf
+        scanned over layers keeps one scale per layer).
     """
 
     values: jax.Array
@@ -218,6 +223,7 @@ class QuantizedArray:
     dtype: Any
     contract: tuple[int, ...]
     contract_shape: tuple[int, ...]
+    act_scale: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -235,10 +241,9 @@ class QuantizedArray:
 
     @property
     def nbytes(self) -> int:
-        """Bytes stored: values and scales."""
-        return int(self.values.size * self.values.dtype.itemsize) + int(
-            self.scales.size * self.scales.dtype.itemsize
-        )
+        """Bytes stored: values and scales (and the static activation scales)."""
+        arrays = [self.values, self.scales] + ([] if self.act_scale is None else [self.act_scale])
+        return sum(int(a.size * a.dtype.itemsize) for a in arrays)
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         """The weight it stands for, in `dtype` (default its own).
@@ -255,9 +260,10 @@ class QuantizedArray:
         return jnp.transpose(moved, axes)
 
     def __repr__(self) -> str:
+        static = "" if self.act_scale is None else ", calibrated"
         return (
             f"QuantizedArray({self.recipe.name}, shape={self.shape}, "
-            f"dtype={jnp.dtype(self.dtype).name}, contract={self.contract})"
+            f"dtype={jnp.dtype(self.dtype).name}, contract={self.contract}{static})"
         )
 
 

@@ -29,9 +29,11 @@ operand:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -86,14 +88,65 @@ def weight_side(dimension_numbers: Any, lhs: Any, rhs: Any) -> int | None:
 
 
 def quantize_activations(
-    x: jax.Array, side: int, dimension_numbers: Any, recipe: Any
+    x: jax.Array, side: int, dimension_numbers: Any, recipe: Any, act_scale: Any = None
 ) -> tuple[jax.Array, jax.Array]:
     """``(values, scales)`` of the activations `x` as the dynamic recipes' kernel reads them:
-    one absmax scale per row (each position of the axes the dot does not contract), `x`
-    rounded on the recipe's grid. `side` is the weight's (`weight_side`)."""
+    one scale per row (each position of the axes the dot does not contract), `x` rounded on
+    the recipe's grid. `side` is the weight's (`weight_side`); `act_scale` the weight's
+    (`activation_scale`)."""
     (lc, rc), _ = dimension_numbers
-    scale = q_lib.absmax_scale(x, (lc, rc)[1 - side], recipe.qmax)
+    scale = activation_scale(x, (lc, rc)[1 - side], recipe, act_scale)
     return q_lib.quantize_values(x, scale, recipe), scale
+
+
+def activation_scale(x: jax.Array, axes: Sequence[int], recipe: Any, act_scale: Any) -> jax.Array:
+    """The scale of each row of activations `x` (`axes`, the contracted ones, kept with size
+    1), by the weight's `QuantizedArray.act_scale`:
+
+    * None: the row's absmax over `recipe.qmax` (`absmax_scale`), computed at run time;
+    * a float array (`jaxmp.calibrate`'s): that static scale for every row, no amax taken;
+      values beyond its range saturate at the grid's largest, and a row holding NaN or inf
+      gets a NaN scale, so that its outputs are NaN (never a finite number);
+    * an integer array (while `jaxmp.calibrate` runs): the absmax scale, and the amax of
+      the whole of `x` reported for the ids the array holds (`observing`).
+    """
+    if act_scale is None:
+        return q_lib.absmax_scale(x, axes, recipe.qmax)
+    dtype = q_lib.scale_dtype(x.dtype)
+    if jnp.issubdtype(act_scale.dtype, jnp.integer):
+        _report_amax(act_scale, q_lib.nan_max_abs(x.astype(dtype), range(x.ndim)).reshape(()))
+        return q_lib.absmax_scale(x, axes, recipe.qmax)
+    # One value, repeated over the output channels: the first (no reduction at run time).
+    static = jnp.ravel(act_scale)[0].astype(dtype)
+    finite = jnp.all(jnp.isfinite(x), axis=tuple(axes), keepdims=True)
+    return jnp.where(finite, static, jnp.asarray(jnp.nan, dtype))
+
+
+# The calibration running, if any: what `_report_amax` calls with the ids and the amax.
+_observer: contextvars.ContextVar[Callable[[np.ndarray, np.ndarray], None] | None] = (
+    contextvars.ContextVar("jaxmp_calibration_observer", default=None)
+)
+
+
+@contextlib.contextmanager
+def observing(record: Callable[[np.ndarray, np.ndarray], None]) -> Iterator[None]:
+    """Within it, the functions `jaxmp.quantized` traces report the amax of the activations
+    of each weight whose ``act_scale`` holds integer ids: ``record(ids, amax)`` on the host."""
+    token = _observer.set(record)
+    try:
+        yield
+    finally:
+        _observer.reset(token)
+
+
+def _report_amax(ids: jax.Array, amax: jax.Array) -> None:
+    record = _observer.get()
+    if record is None:
+        raise ValueError(
+            "a QuantizedArray's act_scale holds integer ids outside jaxmp.calibrate; it must "
+            "be None or a float array of static scales."
+        )
+    jax.debug.callback(record, ids, amax)
 
 
 def quantized_dot(
@@ -141,7 +194,7 @@ def quantized_dot(
     if isinstance(recipe, q_lib.Int8WeightOnly):
         y = dot(x, w.values.astype(w.dtype), acc_dtype) * w_scale
         return y.astype(out_dtype)
-    xq, x_scale = quantize_activations(x, side, dn, recipe)
+    xq, x_scale = quantize_activations(x, side, dn, recipe, w.act_scale)
     if isinstance(recipe, q_lib.Int8DynamicActivations):
         acc = dot(xq, w.values, jnp.int32)
     else:
@@ -161,7 +214,7 @@ def conv_kernel_fits(params: dict[str, Any], lhs: Any, rhs: Any) -> bool:
 
 
 def quantize_conv_activations(
-    x: jax.Array, params: dict[str, Any], recipe: Any
+    x: jax.Array, params: dict[str, Any], recipe: Any, act_scale: Any = None
 ) -> tuple[jax.Array, jax.Array]:
     """``(values, scales)`` of a convolution's activations (lhs) `x` as the dynamic recipes'
     kernel reads them: one absmax scale per batch element, `x` rounded on the recipe's grid.
@@ -174,7 +227,7 @@ def quantize_conv_activations(
     """
     batch = params["dimension_numbers"].lhs_spec[0]
     axes = tuple(d for d in range(x.ndim) if d != batch)
-    scale = q_lib.absmax_scale(x, axes, recipe.qmax)
+    scale = activation_scale(x, axes, recipe, act_scale)
     return q_lib.quantize_values(x, scale, recipe), scale
 
 
@@ -220,7 +273,7 @@ def quantized_conv(x: jax.Array, w: q_lib.QuantizedArray, eqn: Any) -> jax.Array
     w_scale = _along(w.scales, dn.out_spec[1], ndim).astype(acc_dtype)
     if isinstance(recipe, q_lib.Int8WeightOnly):
         return (conv(x, w.values.astype(w.dtype), acc_dtype) * w_scale).astype(out_dtype)
-    xq, x_scale = quantize_conv_activations(x, params, recipe)
+    xq, x_scale = quantize_conv_activations(x, params, recipe, w.act_scale)
     if isinstance(recipe, q_lib.Int8DynamicActivations):
         acc = conv(xq, w.values, jnp.int32)
     else:
@@ -305,8 +358,9 @@ def _layout(eqn: Any, x: q_lib.QuantizedArray) -> Any:
         return None  # its values are laid out by output channel and group: dequantised
     if name == "rev":  # the scales have the weight's axes (1 where contracted): reversed too
         dims = tuple(eqn.params["dimensions"])
+        act = None if x.act_scale is None else lax.rev(x.act_scale, dims)
         return dataclasses.replace(
-            x, values=lax.rev(x.values, dims), scales=lax.rev(x.scales, dims)
+            x, values=lax.rev(x.values, dims), scales=lax.rev(x.scales, dims), act_scale=act
         )
     perm = tuple(eqn.params["permutation"])
     ndim = len(perm)
@@ -320,6 +374,7 @@ def _layout(eqn: Any, x: q_lib.QuantizedArray) -> Any:
         x.dtype,
         contract,
         sizes,
+        None if x.act_scale is None else jnp.transpose(x.act_scale, perm),
     )
 
 

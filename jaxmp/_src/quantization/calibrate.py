@@ -1,0 +1,126 @@
+"""Static activation scales from calibration batches: `calibrate`.
+
+The activation recipes (`Int8DynamicActivations`, `Float8Rowwise`) quantise the activations a
+weight's matmul reads with one scale per row, each the row's amax taken at run time: a pass
+over the activations before the one that quantises them. `calibrate` runs the quantised
+function on a few batches instead and stores, for each such weight, one scale for its
+activations (the largest magnitude they reached over every batch, over the grid's largest
+value) in its `QuantizedArray.act_scale`; `jaxmp.quantized` then quantises those activations
+with it, in one pass, taking no amax.
+
+How the amaxes are found: each weight to calibrate gets, in place of its ``act_scale``, an
+array of integer ids (the shape of its scales, distinct across weights); the kernels of
+`jaxmp._src.quantization.rules` report, for the ids they see, the amax of the activations
+they quantise (`rules.observing`, a host callback). A stacked weight scanned over layers is
+sliced with its ids, so each layer reports its own amax and keeps its own scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src.quantization import plan as plan_lib
+from jaxmp._src.quantization import recipes as q_lib
+from jaxmp._src.quantization import rules as rules_lib
+
+__all__ = ["calibrate"]
+
+_ACTIVATION_RECIPES = (q_lib.Int8DynamicActivations, q_lib.Float8Rowwise)
+
+
+def calibrate(fun: Callable[..., Any], qparams: Any, batches: Iterable[Any]) -> Any:
+    """Static activation scales for `qparams` from calibration batches.
+
+    Runs ``jaxmp.quantized(fun)(qparams, *batch)`` (compiled) on each batch and records, for
+    each weight quantised with an activation recipe (``"int8_dynamic"``, ``"fp8"``), the
+    largest magnitude of the activations its matmul or convolution reads, over every batch
+    (a stacked weight scanned over layers: each layer's own). Returns `qparams` with those
+    weights' `QuantizedArray.act_scale` set to ``amax / qmax`` (127 for int8, 448 for E4M3;
+    1 where every activation was 0): `jaxmp.quantized` then quantises their activations with
+    that one static scale, taking no amax at run time. Activations beyond the calibrated
+    range saturate at the grid's largest value; a row holding NaN or inf still gives NaN
+    outputs. Every other leaf is returned as it is (the same object), as is a weight its
+    batches never reached as a matmul or convolution operand (its scales stay dynamic).
+
+    Args:
+      fun: the function `qparams` were quantised for (``jaxmp.quantize(fun, ...)``).
+      qparams: `jaxmp.quantize`'s result (or one of `calibrate`'s, calibrated again).
+      batches: an iterable of calibration inputs: each a tuple of `fun`'s arguments after
+        the params, or a single argument (anything but a tuple). A few batches like the ones
+        served: the scales are their largest values.
+
+    Returns:
+      `qparams`, its activation-recipe weights with static activation scales.
+
+    Raises:
+      ValueError: if `qparams` hold no weight quantised with an activation recipe, if
+        `batches` is empty, or if the activations of a weight hold NaN or inf (naming it).
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(qparams, is_leaf=q_lib.is_quantized)
+    targets = [
+        i
+        for i, (_, leaf) in enumerate(flat)
+        if q_lib.is_quantized(leaf) and isinstance(leaf.recipe, _ACTIVATION_RECIPES)
+    ]
+    if not targets:
+        recipes = sorted({leaf.recipe.name for _, leaf in flat if q_lib.is_quantized(leaf)})
+        raise ValueError(
+            "`qparams` hold no weight quantised with an activation recipe ('int8_dynamic' or "
+            f"'fp8'): nothing to calibrate (recipes found: {recipes or 'none'}). The "
+            "weight-only recipes quantise no activations."
+        )
+    # Each target's ids: one per value of its scales, distinct across targets.
+    offsets, observed, k = {}, [leaf for _, leaf in flat], 0
+    for i in targets:
+        leaf = flat[i][1]
+        n = int(np.prod(np.shape(leaf.scales)))
+        ids = jnp.arange(k, k + n, dtype=jnp.int32).reshape(np.shape(leaf.scales))
+        observed[i] = _with_act_scale(leaf, ids)
+        offsets[i] = (k, n)
+        k += n
+    amax = np.full(k, -np.inf)
+
+    def record(ids: np.ndarray, value: np.ndarray) -> None:
+        np.maximum.at(amax, np.asarray(ids).ravel(), float(value))
+
+    run = rules_lib.quantized(fun)  # compiled once per argument signature
+    observed_params = jax.tree.unflatten(treedef, observed)
+    count = 0
+    with rules_lib.observing(record):
+        for batch in batches:
+            args = batch if isinstance(batch, tuple) else (batch,)
+            jax.block_until_ready(run(observed_params, *args))
+            count += 1
+        jax.effects_barrier()
+    if count == 0:
+        raise ValueError("`batches` is empty: calibrate needs at least one batch.")
+
+    out = [leaf for _, leaf in flat]
+    for i in targets:
+        start, n = offsets[i]
+        leaf = flat[i][1]
+        seen = amax[start : start + n]
+        if np.isneginf(seen).any():
+            continue  # not reached as a kernel's operand: dynamic scales
+        if not np.isfinite(seen).all():
+            raise ValueError(
+                f"the activations of `qparams` leaf {plan_lib.path_string(flat[i][0])!r} "
+                "hold NaN or inf in the calibration batches; calibrate with finite ones."
+            )
+        dtype = q_lib.scale_dtype(leaf.dtype)
+        tiny = float(np.finfo(dtype).tiny)
+        scale = np.where(seen == 0, 1.0, np.maximum(seen / leaf.recipe.qmax, tiny))
+        out[i] = _with_act_scale(leaf, jnp.asarray(scale.reshape(np.shape(leaf.scales)), dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _with_act_scale(leaf: q_lib.QuantizedArray, act_scale: Any) -> q_lib.QuantizedArray:
+    return q_lib.QuantizedArray(
+        leaf.values, leaf.scales, leaf.recipe, leaf.dtype, leaf.contract,
+        leaf.contract_shape, act_scale,
+    )  # fmt: skip
