@@ -237,3 +237,99 @@ def test_calibrated_params_round_trip_through_orbax(tmp_path):
         np.asarray(jaxmp.quantized(_fun)(restored, x, z)),
         np.asarray(jaxmp.quantized(_fun)(c, x, z)),
     )
+
+
+def _dense(p, x):
+    return x @ p["w"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weights_one_static_scale_cannot_fit_keep_dynamic_scales_and_say_so(name, caplog):
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.normal(size=(32, 16)) / 6, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(4, 32)), jnp.float32)
+
+    def shared(p, x, far):  # one weight read by two matmuls, the second's input `far` times
+        return x @ p["w"] + (far * x) @ p["w"]
+
+    def masked(p, x):  # a branch the batches switch off
+        return jnp.where(False, x, 0.0) @ p["w"]
+
+    def partly(p, x):  # the last layer of the stack skipped
+        def body(h, layer):
+            i, w = layer
+            return lax.cond(i < 3, lambda h: h @ w, lambda h: h, h), None
+
+        return lax.scan(body, x, (jnp.arange(4), p["ws"]))[0]
+
+    stack = {"ws": jnp.asarray(rng.normal(size=(4, 32, 32)) / 6, jnp.float32)}
+    spread = (
+        "it is read by 2 kernels whose activations differ by up to 100x (one static scale "
+        "would round the smaller to few steps)"
+    )
+    cases = {
+        "shared 100x": (shared, {"w": w}, (x, 100.0), spread),
+        "all zero": (masked, {"w": w}, x, "its activations were all zero in the batches"),
+        "reached in part": (partly, stack, x, "the batches reached 96 of its 128 scales only"),
+        "no output channels": (_dense, {"w": jnp.ones((32, 0))}, x, "it has no output channels"),
+    }
+    for case, (fun, p, batch, why) in cases.items():
+        args = batch if isinstance(batch, tuple) else (batch,)
+        q = jaxmp.quantize(fun, p, *args, recipe=name)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="jaxmp.calibrate"):
+            c = jaxmp.calibrate(fun, q, [batch])
+        (key,) = p
+        assert c[key].act_scale is None, case
+        assert [r.getMessage() for r in caplog.records] == [
+            f"jaxmp.calibrate: `qparams` leaf {key!r} keeps dynamic scales: {why}."
+        ], case
+        y = jax.jit(jaxmp.quantized(fun))(c, *args)  # served with dynamic scales
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jaxmp.quantized(fun)(q, *args)))
+    # A spread within 8x is one static scale: the larger one.
+    q = jaxmp.quantize(shared, {"w": w}, x, 2.0, recipe=name)
+    c = jaxmp.calibrate(shared, q, [(x, 2.0)])
+    amax = 2 * float(np.abs(np.asarray(x)).max())
+    np.testing.assert_allclose(np.asarray(c["w"].act_scale), amax / QMAX[name], rtol=1e-6)
+
+
+def test_a_nan_in_a_stack_reached_in_part_is_still_an_error():
+    rng = np.random.default_rng(5)
+
+    def partly(p, x):
+        def body(h, layer):
+            i, w = layer
+            return lax.cond(i < 3, lambda h: h @ w, lambda h: h, h), None
+
+        return lax.scan(body, x, (jnp.arange(4), p["ws"]))[0]
+
+    p = {"ws": jnp.asarray(rng.normal(size=(4, 16, 16)) / 4, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)
+    q = jaxmp.quantize(partly, p, x, recipe="int8_dynamic")
+    with pytest.raises(ValueError, match=r"leaf 'ws' hold NaN or inf"):
+        jaxmp.calibrate(partly, q, [x.at[0, 0].set(jnp.nan)])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_calibrated_serving_under_debug_nans_op_by_op(name):
+    # The NaN of a non-finite row is made from that row: finite inputs make no NaN at all.
+    p, batches = _params(), _batches()
+    c = jaxmp.calibrate(_fun, jaxmp.quantize(_fun, p, *batches[0], recipe=name), batches)
+    x, z = batches[1]
+    expected = jax.jit(jaxmp.quantized(_fun))(c, x, z)
+    with jax.debug_nans(True), jax.disable_jit():
+        y = jaxmp.quantized(_fun)(c, x, z)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_calibrating_again_can_make_a_weight_dynamic():
+    def shared(p, x, far):
+        return x @ p["w"] + (far * x) @ p["w"]
+
+    p = {"w": jnp.asarray(np.random.default_rng(6).normal(size=(32, 16)), jnp.float32)}
+    x = jnp.ones((2, 32))
+    q = jaxmp.quantize(shared, p, x, 1.0, recipe="fp8")
+    once = jaxmp.calibrate(shared, q, [(x, 1.0)])
+    assert once["w"].act_scale is not None
+    again = jaxmp.calibrate(shared, once, [(x, 1000.0)])
+    assert again["w"].act_scale is None

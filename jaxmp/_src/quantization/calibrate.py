@@ -17,6 +17,7 @@ sliced with its ids, so each layer reports its own amax and keeps its own scale.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +32,7 @@ from jaxmp._src.quantization import rules as rules_lib
 __all__ = ["calibrate"]
 
 _ACTIVATION_RECIPES = (q_lib.Int8DynamicActivations, q_lib.Float8Rowwise)
+_LOG = logging.getLogger("jaxmp.calibrate")
 
 
 def calibrate(fun: Callable[..., Any], qparams: Any, batches: Iterable[Any]) -> Any:
@@ -40,12 +42,20 @@ def calibrate(fun: Callable[..., Any], qparams: Any, batches: Iterable[Any]) -> 
     each weight quantised with an activation recipe (``"int8_dynamic"``, ``"fp8"``), the
     largest magnitude of the activations its matmul or convolution reads, over every batch
     (a stacked weight scanned over layers: each layer's own). Returns `qparams` with those
-    weights' `QuantizedArray.act_scale` set to ``amax / qmax`` (127 for int8, 448 for E4M3;
-    1 where every activation was 0): `jaxmp.quantized` then quantises their activations with
-    that one static scale, taking no amax at run time. Activations beyond the calibrated
-    range saturate at the grid's largest value; a row holding NaN or inf still gives NaN
-    outputs. Every other leaf is returned as it is (the same object), as is a weight its
-    batches never reached as a matmul or convolution operand (its scales stay dynamic).
+    weights' `QuantizedArray.act_scale` set to ``amax / qmax`` (127 for int8, 448 for E4M3):
+    `jaxmp.quantized` then quantises their activations with that one static scale, taking no
+    amax at run time. Activations beyond the calibrated range saturate at the grid's largest
+    value; a row holding NaN or inf still gives NaN outputs. Every other leaf is returned as
+    it is (the same object).
+
+    A weight keeps dynamic scales, said in a WARNING line of the ``jaxmp.calibrate`` logger,
+    where one static scale would not fit it: the batches never reached it as a matmul or
+    convolution operand, or reached only some layers of a stacked weight; its activations
+    were all zero; or it is read by several matmuls whose activations differ by more than
+    `SPREAD` (8x: a weight shared by two layers, one reading much smaller values).
+
+    Keyword arguments of `fun` are bound first: ``functools.partial(model.apply,
+    deterministic=True)``.
 
     Args:
       fun: the function `qparams` were quantised for (``jaxmp.quantize(fun, ...)``).
@@ -83,10 +93,12 @@ def calibrate(fun: Callable[..., Any], qparams: Any, batches: Iterable[Any]) -> 
         observed[i] = _with_act_scale(leaf, ids)
         offsets[i] = (k, n)
         k += n
-    amax = np.full(k, -np.inf)
+    amax: dict[int, np.ndarray] = {}  # per site (a kernel traced), per id
 
-    def record(ids: np.ndarray, value: np.ndarray) -> None:
-        np.maximum.at(amax, np.asarray(ids).ravel(), float(value))
+    def record(site: int, ids: np.ndarray, value: np.ndarray) -> None:
+        seen = amax.setdefault(site, np.full(k, -np.inf))
+        with np.errstate(invalid="ignore"):  # a NaN is kept, and reported below
+            np.maximum.at(seen, np.asarray(ids).ravel(), float(value))
 
     run = rules_lib.quantized(fun)  # compiled once per argument signature
     observed_params = jax.tree.unflatten(treedef, observed)
@@ -103,20 +115,65 @@ def calibrate(fun: Callable[..., Any], qparams: Any, batches: Iterable[Any]) -> 
     out = [leaf for _, leaf in flat]
     for i in targets:
         start, n = offsets[i]
-        leaf = flat[i][1]
-        seen = amax[start : start + n]
-        if np.isneginf(seen).any():
-            continue  # not reached as a kernel's operand: dynamic scales
-        if not np.isfinite(seen).all():
-            raise ValueError(
-                f"the activations of `qparams` leaf {plan_lib.path_string(flat[i][0])!r} "
-                "hold NaN or inf in the calibration batches; calibrate with finite ones."
-            )
-        dtype = q_lib.scale_dtype(leaf.dtype)
-        tiny = float(np.finfo(dtype).tiny)
-        scale = np.where(seen == 0, 1.0, np.maximum(seen / leaf.recipe.qmax, tiny))
-        out[i] = _with_act_scale(leaf, jnp.asarray(scale.reshape(np.shape(leaf.scales)), dtype))
+        leaf, path = flat[i][1], plan_lib.path_string(flat[i][0])
+        sites = [
+            a[start : start + n]
+            for a in amax.values()
+            if not np.isneginf(a[start : start + n]).all()
+        ]
+        scale = _static_scale(path, leaf, sites, n)
+        if scale is not None:
+            out[i] = _with_act_scale(leaf, jnp.asarray(scale.reshape(np.shape(leaf.scales))))
+        elif leaf.act_scale is not None:  # calibrated before: dynamic now
+            out[i] = _with_act_scale(leaf, None)
     return jax.tree.unflatten(treedef, out)
+
+
+#: A weight whose kernels' activations differ by more than this factor keeps dynamic scales:
+#: one static scale would leave the smaller few grid steps (int8: 127 / 8, about 16).
+SPREAD = 8.0
+
+
+def _static_scale(
+    path: str, leaf: q_lib.QuantizedArray, sites: list[np.ndarray], n: int
+) -> np.ndarray | None:
+    """The static activation scales of `leaf` (`path`) from the amaxes its kernels (`sites`:
+    one array of its `n` ids each, -inf where unseen) recorded; None, said in a log line,
+    where it keeps dynamic scales."""
+    if any(np.isnan(a).any() or np.isposinf(a).any() for a in sites):
+        raise ValueError(
+            f"the activations of `qparams` leaf {path!r} hold NaN or inf in the calibration "
+            "batches; calibrate with finite ones."
+        )
+    seen = np.max(sites, axis=0) if sites else np.full(n, -np.inf)
+    why = None
+    if n == 0:
+        why = "it has no output channels"
+    elif np.isneginf(seen).all():
+        why = "the batches never reached it as a matmul or convolution operand"
+    elif np.isneginf(seen).any():
+        why = f"the batches reached {np.sum(~np.isneginf(seen))} of its {n} scales only"
+    elif (seen == 0).any():
+        why = "its activations were all zero in the batches"
+    else:
+        spread = max((float(a.max() / a[~np.isneginf(a)].min()) for a in _per_id(sites)), default=1)
+        if spread > SPREAD:
+            why = (
+                f"it is read by {len(sites)} kernels whose activations differ by up to "
+                f"{spread:.3g}x (one static scale would round the smaller to few steps)"
+            )
+    if why is not None:
+        _LOG.warning("jaxmp.calibrate: `qparams` leaf %r keeps dynamic scales: %s.", path, why)
+        return None
+    dtype = q_lib.scale_dtype(leaf.dtype)
+    return np.maximum(seen / leaf.recipe.qmax, float(np.finfo(dtype).tiny)).astype(dtype)
+
+
+def _per_id(sites: list[np.ndarray]) -> list[np.ndarray]:
+    """For each id read by two or more kernels, the amaxes they recorded."""
+    stacked = np.stack(sites)  # (kernels, ids)
+    reached = ~np.isneginf(stacked)
+    return [stacked[reached[:, j], j] for j in range(stacked.shape[1]) if reached[:, j].sum() > 1]
 
 
 def _with_act_scale(leaf: q_lib.QuantizedArray, act_scale: Any) -> q_lib.QuantizedArray:

@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -106,7 +107,8 @@ def activation_scale(x: jax.Array, axes: Sequence[int], recipe: Any, act_scale: 
     * None: the row's absmax over `recipe.qmax` (`absmax_scale`), computed at run time;
     * a float array (`jaxmp.calibrate`'s): that static scale for every row, no amax taken;
       values beyond its range saturate at the grid's largest, and a row holding NaN or inf
-      gets a NaN scale, so that its outputs are NaN (never a finite number);
+      gets a NaN scale (made from its values), so that its outputs are NaN (never a finite
+      number);
     * an integer array (while `jaxmp.calibrate` runs): the absmax scale, and the amax of
       the whole of `x` reported for the ids the array holds (`observing`).
     """
@@ -118,21 +120,26 @@ def activation_scale(x: jax.Array, axes: Sequence[int], recipe: Any, act_scale: 
         return q_lib.absmax_scale(x, axes, recipe.qmax)
     # One value, repeated over the output channels: the first (no reduction at run time).
     static = jnp.ravel(act_scale)[0].astype(dtype)
-    finite = jnp.all(jnp.isfinite(x), axis=tuple(axes), keepdims=True)
-    return jnp.where(finite, static, jnp.asarray(jnp.nan, dtype))
+    # NaN for a row holding NaN or inf, made from its own values (0 * inf, 0 * NaN): no NaN
+    # constant for jax_debug_nans to stop at where every value is finite.
+    wide = x.astype(dtype)
+    bad = jnp.sum(jnp.where(jnp.isfinite(wide), jnp.zeros_like(wide), wide), axes, keepdims=True)
+    return static + bad * 0
 
 
-# The calibration running, if any: what `_report_amax` calls with the ids and the amax.
-_observer: contextvars.ContextVar[Callable[[np.ndarray, np.ndarray], None] | None] = (
+# The calibration running, if any: ``record(site, ids, amax)`` and the sites traced so far.
+_observer: contextvars.ContextVar[tuple[Callable[..., None], itertools.count[int]] | None] = (
     contextvars.ContextVar("jaxmp_calibration_observer", default=None)
 )
 
 
 @contextlib.contextmanager
-def observing(record: Callable[[np.ndarray, np.ndarray], None]) -> Iterator[None]:
+def observing(record: Callable[[int, np.ndarray, np.ndarray], None]) -> Iterator[None]:
     """Within it, the functions `jaxmp.quantized` traces report the amax of the activations
-    of each weight whose ``act_scale`` holds integer ids: ``record(ids, amax)`` on the host."""
-    token = _observer.set(record)
+    of each weight whose ``act_scale`` holds integer ids: ``record(site, ids, amax)`` on the
+    host, `site` numbering the kernels in the order they were traced (a weight used by two
+    matmuls reports from two sites)."""
+    token = _observer.set((record, itertools.count()))
     try:
         yield
     finally:
@@ -140,13 +147,14 @@ def observing(record: Callable[[np.ndarray, np.ndarray], None]) -> Iterator[None
 
 
 def _report_amax(ids: jax.Array, amax: jax.Array) -> None:
-    record = _observer.get()
-    if record is None:
+    observer = _observer.get()
+    if observer is None:
         raise ValueError(
             "a QuantizedArray's act_scale holds integer ids outside jaxmp.calibrate; it must "
             "be None or a float array of static scales."
         )
-    jax.debug.callback(record, ids, amax)
+    record, sites = observer
+    jax.debug.callback(functools.partial(record, next(sites)), ids, amax)
 
 
 def quantized_dot(
