@@ -395,7 +395,7 @@ jaxmp.QuantizationAware: class(fun: 'Callable[..., Any]', recipe: 'Any', exclude
 jaxmp.QuantizationAware.quantize: (self, params: 'Any', *example_args: 'Any', **example_kwargs: 'Any') -> 'Any'
 jaxmp.Quantized: class(fun: 'Callable[..., Any]')
 jaxmp.Quantized.jaxpr: (self, *args: 'Any', **kwargs: 'Any') -> 'Any'
-jaxmp.QuantizedArray: class(values: 'jax.Array', scales: 'jax.Array', recipe: 'Any', dtype: 'Any', contract: 'tuple[int, ...]', contract_shape: 'tuple[int, ...]') -> None
+jaxmp.QuantizedArray: class(values: 'jax.Array', scales: 'jax.Array', recipe: 'Any', dtype: 'Any', contract: 'tuple[int, ...]', contract_shape: 'tuple[int, ...]', act_scale: 'Any' = None) -> None
 jaxmp.QuantizedArray.dequantize: (self, dtype: 'Any' = None) -> 'jax.Array'
 jaxmp.QuantizedArray.nbytes: property
 jaxmp.QuantizedArray.ndim: property
@@ -417,6 +417,7 @@ jaxmp.StochasticRoundingState: class(key: 'jax.Array', inner_state: 'Any')
 jaxmp.all_finite: (tree: 'Any') -> 'jax.Array'
 jaxmp.autocast: (fun: 'Callable[..., Any]', policy: 'policy_lib.Policy | str', *, low_precision_ops: 'Iterable[str | compat.Primitive] | None' = None, float32_ops: 'Iterable[str | compat.Primitive] | None' = None, fp8: 'Any' = None, fp8_exclude: 'str | Iterable[str] | None' = None, fused_attention: 'bool' = True) -> 'Autocast'
 jaxmp.autocast_jaxpr: (fun: 'Callable[..., Any]', policy: 'policy_lib.Policy | str', **kwargs: 'Any') -> 'Callable[..., compat.ClosedJaxpr]'
+jaxmp.calibrate: (fun: 'Callable[..., Any]', qparams: 'Any', batches: 'Iterable[Any]') -> 'Any'
 jaxmp.cast_to_full: (tree: 'T') -> 'T'
 jaxmp.cast_to_half: (tree: 'T') -> 'T'
 jaxmp.cast_tree: (tree: 'T', dtype: 'DTypeLike') -> 'T'
