@@ -2,6 +2,7 @@
 persistent compilation cache for the whole run."""
 
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -156,6 +157,28 @@ def environ_without_compilation_cache() -> dict[str, str]:
         for k, v in os.environ.items()
         if k != _CACHE_DIR and not k.startswith("JAX_PERSISTENT_CACHE_")
     }
+
+
+_SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
+def pytest_collection_modifyitems(config, items):
+    """Marks slow the tests `slow_tests.txt` lists by id (the default run's time budget)."""
+    listed = {
+        line.strip()
+        for line in _SLOW_LIST.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    stale = listed - {item.nodeid for item in items}
+    if whole_suite and not config.option.keyword and stale:
+        raise pytest.UsageError(
+            f"{_SLOW_LIST} lists tests that do not exist (renamed?): {sorted(stale)}"
+        )
 
 
 def pytest_unconfigure(config):

@@ -18,7 +18,6 @@ import jaxmp
 from jaxmp._src import compat
 from jaxmp._src.quantization import leaf as leaf_lib
 from jaxmp._src.quantization.recipes import get_recipe
-from tests.test_staging import where_it_lives  # noqa: F401  (a module fixture)
 
 RECIPES = ("int8", "int8_dynamic", "fp8", "int4")
 
@@ -182,24 +181,3 @@ def test_a_finite_leaf_is_read_for_its_scales_only():
     leaf_lib.check_finite("w", w, q)  # no error
     traced = jax.jit(lambda w: leaf_lib.check_finite("w", w) or w)
     traced(w.at[0, 0].set(jnp.nan))  # inside a trace the values are not known: no check
-
-
-# --- Sharded leaves (8 simulated devices, a process of their own) -----------------------------
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_a_sharded_leaf_is_quantised_where_it_lives(where_it_lives, recipe):  # noqa: F811
-    # Values and scales split like the weight (its contraction axis too, in int4, where each
-    # device's block holds whole groups), each device's block equal to one device's result,
-    # and no all-gather in the compiled program.
-    assert where_it_lives[f"quantize {recipe}"] == {
-        "placed": True,
-        "values": True,
-        "all_gathers": 0,
-    }
-
-
-def test_a_nan_in_a_sharded_leaf_is_named(where_it_lives):  # noqa: F811
-    assert where_it_lives["nan error"].startswith(
-        "`params` leaf 'w' holds NaN or inf (1 of 524288 values, the first at index (200, 300)"
-    )

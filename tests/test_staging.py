@@ -288,3 +288,24 @@ def test_two_processes_build_the_state_and_quantise_where_their_shards_live():
             assert out[f"quantize {recipe}"] == expected, recipe
     assert outputs[0]["nan error"] == outputs[1]["nan error"]
     assert "(1 of 524288 values, the first at index (200, 300): nan)" in outputs[0]["nan error"]
+
+
+# --- jaxmp.quantize of sharded leaves, in the same process of 8 simulated devices ------------
+
+
+@pytest.mark.parametrize("recipe", ["int8", "int8_dynamic", "fp8", "int4"])
+def test_a_sharded_leaf_is_quantised_where_it_lives(where_it_lives, recipe):
+    # Values and scales split like the weight (its contraction axis too, in int4, where each
+    # device's block holds whole groups), each device's block equal to one device's result,
+    # and no all-gather in the compiled program.
+    assert where_it_lives[f"quantize {recipe}"] == {
+        "placed": True,
+        "values": True,
+        "all_gathers": 0,
+    }
+
+
+def test_a_nan_in_a_sharded_leaf_is_named(where_it_lives):
+    assert where_it_lives["nan error"].startswith(
+        "`params` leaf 'w' holds NaN or inf (1 of 524288 values, the first at index (200, 300)"
+    )
