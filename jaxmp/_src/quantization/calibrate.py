@@ -93,12 +93,19 @@ def calibrate(fun: Callable[..., Any], qparams: Any, batches: Iterable[Any]) -> 
         observed[i] = _with_act_scale(leaf, ids)
         offsets[i] = (k, n)
         k += n
-    amax: dict[int, np.ndarray] = {}  # per site (a kernel traced), per id
+    starts = np.array([offsets[i][0] for i in targets])
+    # Per (site: a kernel traced, target) reporting: the amax per id of that target's ids.
+    amax: dict[tuple[int, int], np.ndarray] = {}
 
     def record(site: int, ids: np.ndarray, value: np.ndarray) -> None:
-        seen = amax.setdefault(site, np.full(k, -np.inf))
+        ids = np.asarray(ids).ravel()
+        if ids.size == 0:
+            return
+        i = targets[int(np.searchsorted(starts, ids[0], side="right")) - 1]
+        start, n = offsets[i]
+        seen = amax.setdefault((site, i), np.full(n, -np.inf))
         with np.errstate(invalid="ignore"):  # a NaN is kept, and reported below
-            np.maximum.at(seen, np.asarray(ids).ravel(), float(value))
+            np.maximum.at(seen, ids - start, float(value))
 
     run = rules_lib.quantized(fun)  # compiled once per argument signature
     observed_params = jax.tree.unflatten(treedef, observed)
@@ -114,14 +121,9 @@ def calibrate(fun: Callable[..., Any], qparams: Any, batches: Iterable[Any]) -> 
 
     out = [leaf for _, leaf in flat]
     for i in targets:
-        start, n = offsets[i]
         leaf, path = flat[i][1], plan_lib.path_string(flat[i][0])
-        sites = [
-            a[start : start + n]
-            for a in amax.values()
-            if not np.isneginf(a[start : start + n]).all()
-        ]
-        scale = _static_scale(path, leaf, sites, n)
+        sites = [a for (_, target), a in amax.items() if target == i]
+        scale = _static_scale(path, leaf, sites, offsets[i][1])
         if scale is not None:
             out[i] = _with_act_scale(leaf, jnp.asarray(scale.reshape(np.shape(leaf.scales))))
         elif leaf.act_scale is not None:  # calibrated before: dynamic now
@@ -156,7 +158,7 @@ def _static_scale(
     elif (seen == 0).any():
         why = "its activations were all zero in the batches"
     else:
-        spread = max((float(a.max() / a[~np.isneginf(a)].min()) for a in _per_id(sites)), default=1)
+        spread = _spread(sites)
         if spread > SPREAD:
             why = (
                 f"it is read by {len(sites)} kernels whose activations differ by up to "
@@ -169,11 +171,18 @@ def _static_scale(
     return np.maximum(seen / leaf.recipe.qmax, float(np.finfo(dtype).tiny)).astype(dtype)
 
 
-def _per_id(sites: list[np.ndarray]) -> list[np.ndarray]:
-    """For each id read by two or more kernels, the amaxes they recorded."""
-    stacked = np.stack(sites)  # (kernels, ids)
+def _spread(sites: list[np.ndarray]) -> float:
+    """The largest ratio, over the ids two or more kernels read, of the largest amax they
+    recorded to the smallest (1 where no id is read twice)."""
+    stacked = np.stack(sites)  # (kernels, ids), -inf where a kernel did not see an id
     reached = ~np.isneginf(stacked)
-    return [stacked[reached[:, j], j] for j in range(stacked.shape[1]) if reached[:, j].sum() > 1]
+    twice = reached.sum(axis=0) > 1
+    if not twice.any():
+        return 1.0
+    high = stacked.max(axis=0)[twice]
+    low = np.where(reached, stacked, np.inf).min(axis=0)[twice]
+    with np.errstate(divide="ignore"):
+        return float(np.max(high / low))
 
 
 def _with_act_scale(leaf: q_lib.QuantizedArray, act_scale: Any) -> q_lib.QuantizedArray:
