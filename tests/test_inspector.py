@@ -862,9 +862,10 @@ def test_jaxmps_own_ops_are_recognised_however_they_are_called(form, tmp_path):
     assert not [t.get_text() for ax in fig.axes for t in ax.texts if "overflow" in t.get_text()]
 
 
-def test_a_full_train_step_reports_no_loss_scale_as_the_users():
-    # jaxmp.mixed_precision's loss scale (its update doubles 2^15 to 2^16, which overflows
-    # float16) and value_and_grad's multiplies are jaxmp's, called from the user's step.
+def _float16_train_step():
+    """``(step, w, state, x)``: a user's train step with jaxmp.mixed_precision's loss scale
+    (its functions ``step`` and ``loss``), its params, optimizer state and batch."""
+
     def loss(w, x):
         return jnp.mean(jnp.tanh(x @ w) ** 2)
 
@@ -878,6 +879,13 @@ def test_a_full_train_step_reports_no_loss_scale_as_the_users():
     w = jax.random.normal(jax.random.key(0), (8, 8)) / 4
     x = jax.random.normal(jax.random.key(1), (4, 8))
     state = opt.init(w)
+    return step, w, state, x
+
+
+def test_a_full_train_step_reports_no_loss_scale_as_the_users():
+    # jaxmp.mixed_precision's loss scale (its update doubles 2^15 to 2^16, which overflows
+    # float16) and value_and_grad's multiplies are jaxmp's, called from the user's step.
+    step, w, state, x = _float16_train_step()
     state = state._replace(loss_scale=jaxmp.DynamicLossScale(2.0**15, period=1))
     _, report = jax.jit(jaxmp.inspect(step))(w, state, x)
     scale = [r for r in report.rows if r.ref_max_abs >= 2.0**14]
@@ -904,19 +912,7 @@ def _first_trace(w, x):
 def test_ops_of_helpers_traced_before_point_at_this_call():
     # jax 0.8 keeps a jitted helper's trace with the traceback of the call that traced it
     # first: the loss scale's update's jnp.clip, traced by _first_trace, pointed there.
-    def loss(w, x):
-        return jnp.mean(jnp.tanh(x @ w) ** 2)
-
-    opt = jaxmp.mixed_precision(optax.sgd(0.1), "mixed_float16")
-
-    def step(w, state, x):
-        value, grads = jaxmp.value_and_grad(loss)(jaxmp.get_loss_scale(state), w, x)
-        updates, state = opt.update(grads, state, w)
-        return optax.apply_updates(w, updates), state, value
-
-    w = jax.random.normal(jax.random.key(0), (8, 8)) / 4
-    x = jax.random.normal(jax.random.key(1), (4, 8))
-    state = opt.init(w)
+    step, w, state, x = _float16_train_step()
     _first_trace(w, x)
     _, report = jax.jit(jaxmp.inspect(step))(w, state, x)
     clipped = [r for r in report.rows if r.primitive in ("max", "min")]

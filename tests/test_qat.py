@@ -96,22 +96,28 @@ def _served(fun, params, *args, recipe, exclude=()):
 # The forward pass is what serves.
 
 
+def _assert_forward_serves(qat, params, x, served):
+    """`qat`'s forward pass is `served` bit for bit: eager, under jit, and as the value of a
+    differentiated call. Returns that call's gradients."""
+    assert_bits(qat(params, x), served, "eager")
+    assert_bits(jax.jit(qat)(params, x), served, "jit")
+
+    def loss(p):
+        y = qat(p, x)
+        return y.astype(jnp.float32).sum(), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    assert_bits(y, served, "value_and_grad")
+    return grads
+
+
 @pytest.mark.parametrize(("name", "dtype"), diagonal_cases(NAMES, DTYPES, NAMES, DTYPE_IDS))
 def test_forward_is_bit_identical_to_serving(name, dtype):
     p, x = _mlp_params(dtype), _x(dtype)
     recipe = RECIPES[name]
     qat = jaxmp.quantization_aware(_mlp, recipe=recipe)
     served = _served(_mlp, p, x, recipe=recipe)
-    assert_bits(qat(p, x), served, "eager")
-    assert_bits(jax.jit(qat)(p, x), served, "jit")
-
-    # The value of a differentiated call is the same forward pass.
-    def loss(p):
-        y = qat(p, x)
-        return y.astype(jnp.float32).sum(), y
-
-    (_, y), _ = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)
-    assert_bits(y, served, "value_and_grad")
+    _assert_forward_serves(qat, p, x, served)
     # and it is not the float model's.
     assert not np.array_equal(np.asarray(served), np.asarray(_mlp(p, x)))
 
@@ -674,15 +680,7 @@ def test_convolutions_forward_is_bit_identical_to_serving(name, dtype):
     }
     qat = jaxmp.quantization_aware(model.apply, recipe=recipe)
     served = _served(model.apply, variables, x, recipe=recipe)
-    assert_bits(qat(variables, x), served, "eager")
-    assert_bits(jax.jit(qat)(variables, x), served, "jit")
-
-    def loss(v):
-        y = qat(v, x)
-        return y.astype(jnp.float32).sum(), y
-
-    (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables)
-    assert_bits(y, served, "value_and_grad")
+    grads = _assert_forward_serves(qat, variables, x, served)
     for layer in ("conv", "grouped", "up", "head"):
         g = grads["params"][layer]["kernel"]
         assert g.dtype == dtype and np.abs(np.asarray(g, np.float32)).max() > 0, layer
