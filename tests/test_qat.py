@@ -760,3 +760,43 @@ def test_convolution_input_gradient(name):
         expected = jax.jit(jax.grad(lambda x: jnp.sum(_conv(k_served, x) * c)))(x)
         assert_bits(got, expected)
     assert np.abs(np.asarray(got)).min() > 0  # not the zero derivative of rounding
+
+
+@pytest.mark.parametrize("name", ["int8_dynamic", "int4"])
+def test_a_quantization_aware_cnn_keeps_the_skip_and_check_outputs_guarantees(name):
+    # Against the existing guarantees: a step whose gradients are not finite changes nothing
+    # but the loss-scaling state (with check_outputs), float16 params keep their dtype, and a
+    # finite step trains.
+    model = _LinenCNN(jnp.float16)
+    x = _x(jnp.float16, (2, 8, 8, 16))
+    variables = jax.tree.map(lambda a: a.astype(jnp.float16), _random_variables(model, x))
+    qat = jaxmp.quantization_aware(model.apply, recipe=RECIPES[name])
+    tx = jaxmp.mixed_precision(optax.adam(1e-3), "float16", master_weights=True, check_outputs=True)
+    state = tx.init(variables)
+
+    @jax.jit
+    def step(v, state, x):
+        def loss_fn(v):
+            return jnp.mean(qat(v, x).astype(jnp.float32) ** 2)
+
+        _, grads = jaxmp.value_and_grad(loss_fn)(jaxmp.get_loss_scale(state), v)
+        updates, state = tx.update(grads, state, v)
+        return optax.apply_updates(v, updates), state
+
+    new_v, new_state = step(variables, state, x)
+    assert jax.tree.all(jax.tree.map(lambda a: a.dtype == jnp.float16, new_v))
+    assert bool(jaxmp.loss_scale_metrics(new_state)["grads_finite"])
+    assert not np.array_equal(
+        np.asarray(new_v["params"]["conv"]["kernel"]),
+        np.asarray(variables["params"]["conv"]["kernel"]),
+    )
+    skipped_v, skipped_state = step(new_v, new_state, x.at[0, 0, 0, 0].set(jnp.inf))
+    assert not bool(jaxmp.loss_scale_metrics(skipped_state)["grads_finite"])
+    for a, b in zip(jax.tree.leaves(skipped_v), jax.tree.leaves(new_v), strict=True):
+        assert_bits(a, b)
+    for a, b in zip(
+        jax.tree.leaves(jaxmp.inner_state(skipped_state)),
+        jax.tree.leaves(jaxmp.inner_state(new_state)),
+        strict=True,
+    ):
+        assert_bits(a, b)
