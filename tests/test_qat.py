@@ -72,11 +72,16 @@ _FUSION_MAY_ROUND = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) < (
 
 def assert_bits_of_programs(actual, expected, what=""):
     """`assert_bits` for the results of two different programs: bit for bit on jaxlib >=
-    0.12; on older ones the same dtype, shape, zeros and non-finite values, and the rest
-    within 4 units in the last place of the largest value (see `_FUSION_MAY_ROUND`)."""
-    if not _FUSION_MAY_ROUND:
+    0.12; on older ones `assert_within_ulps` (see `_FUSION_MAY_ROUND`)."""
+    if _FUSION_MAY_ROUND:
+        assert_within_ulps(actual, expected, what)
+    else:
         assert_bits(actual, expected, what)
-        return
+
+
+def assert_within_ulps(actual, expected, what=""):
+    """The same dtype, shape, zeros and non-finite values, and the rest within 4 units in the
+    last place of the largest value."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     a, e = actual.astype(np.float64), expected.astype(np.float64)
@@ -178,7 +183,9 @@ def test_weight_gradient_is_the_straight_through_gradient(name, dtype):
     assert unclipped.all() == (name != "int4")  # int4 clips some of these weights
     expected = jnp.where(unclipped, expected, jnp.zeros_like(expected))
     assert got.dtype == dtype
-    assert_bits_of_programs(got, expected)
+    # The reference is another program (the float matmul of the rounded rows), which XLA may
+    # sum in another order (jaxlib 0.12.1 does, for FP8): equal up to rounding.
+    assert_within_ulps(got, expected)
     if name not in WEIGHT_ONLY:
         assert not np.array_equal(np.asarray(x_read), np.asarray(x))  # the rows were rounded
 
@@ -734,7 +741,7 @@ def test_convolution_kernel_gradient_is_the_straight_through_gradient(name, dtyp
     assert unclipped.all() == (name != "int4")  # int4 clips some of these weights
     expected = jnp.where(unclipped, expected, jnp.zeros_like(expected))
     assert got.dtype == dtype
-    assert_bits(got, expected)
+    assert_within_ulps(got, expected)  # another program: equal up to rounding, as for matmuls
     if name not in WEIGHT_ONLY:
         assert not np.array_equal(np.asarray(x_read), np.asarray(x))  # the images were rounded
 

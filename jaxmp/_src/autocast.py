@@ -859,7 +859,9 @@ def autocast_jaxpr(
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp
-      >>> jaxpr = jaxmp.autocast_jaxpr(jax.nn.logsumexp, "mixed_bfloat16")(jnp.ones(3))
+      >>> def logsumexp(x):
+      ...     return jnp.log(jnp.sum(jnp.exp(x)))
+      >>> jaxpr = jaxmp.autocast_jaxpr(logsumexp, "mixed_bfloat16")(jnp.ones(3))
       >>> sorted({str(e.outvars[0].aval.dtype) for e in jaxpr.eqns
       ...         if e.primitive.name in ("exp", "log", "reduce_sum")})
       ['float32']
