@@ -319,10 +319,10 @@ def quantization_aware(
     (`jaxmp.quantization_plan`, the same `exclude` patterns), quantised by the same code
     inside the traced program at every call, and their matmuls and convolutions run the same
     kernels (int8 x int8 -> int32 for `"int8_dynamic"`, E4M3 x E4M3 for `"fp8"`, the int4
-    weight dequantised into the matmul's dtype, ...); bit for bit as tested on jaxlib 0.12
-    (older XLA:CPU, fusing a weight's quantisation into its matmul, may round the last bit of
-    some outputs differently). `params` stay float (the master copy the optimizer updates);
-    the model learns around the rounding it will be served with, and `jaxmp.quantize` of
+    weight dequantised into the matmul's dtype, ...); bit for bit as tested on jaxlib 0.12.0
+    (other XLA:CPU versions, fusing a weight's quantisation into its matmul, may round the
+    last bit of some outputs differently). `params` stay float (the master copy the optimizer
+    updates); the model learns around the rounding it will be served with, and `jaxmp.quantize` of
     the trained params serves exactly what was trained (`QuantizationAware.quantize` takes
     the same recipe and exclude patterns).
 
