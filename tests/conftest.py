@@ -8,6 +8,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
@@ -19,6 +20,9 @@ FLOAT_DTYPES = (F16, BF16, F32)
 
 # The one tolerance table for value comparisons (relative and absolute), by dtype.
 TOLERANCE = {F32: 1e-6, BF16: 1e-2, F16: 1e-3}
+
+#: The installed jaxlib's version, (major, minor, patch): some XLA behaviour differs by release.
+JAXLIB_VERSION = tuple(int(part) for part in jaxlib.__version__.split(".")[:3])
 
 
 def assert_close(actual, expected, dtype):

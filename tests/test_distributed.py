@@ -7,12 +7,15 @@ jax is imported), and assert on the JSON they print and the arrays they save.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +26,23 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
-from tests.conftest import BF16, F16, F32, FLOAT_DTYPES, assert_close
+from tests.conftest import (
+    BF16,
+    F16,
+    F32,
+    FLOAT_DTYPES,
+    assert_close,
+    environ_without_compilation_cache,
+)
 
 SCRIPTS = pathlib.Path(__file__).parent / "distributed"
 TIMEOUT_S = 300
 
 
-def _env(devices: int, extra_flags: str = "") -> dict[str, str]:
-    env = dict(os.environ)
+def _env(devices: int, extra_flags: str = "", cache: bool = True) -> dict[str, str]:
+    """The environment of a script with `devices` simulated CPU devices; with the run's
+    persistent compilation cache, or without it (`cache=False`)."""
+    env = dict(os.environ) if cache else environ_without_compilation_cache()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {extra_flags}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     return env
@@ -349,38 +361,69 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_two_processes(
+    name: str, *args: str, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S
+) -> list[dict]:
+    """Runs tests/distributed/<name> as processes 0 and 1 of one `jax.distributed` job on
+    localhost (``<name> PROCESS_ID PORT *args``), each with 4 simulated CPU devices; returns
+    the JSON each printed last.
+
+    Each process writes to files of its own, not pipes: a process that fills a pipe nobody
+    reads while the other waits for it in a collective would hang both. Past `timeout`, both
+    are killed and the test fails with what each printed. By default the scripts run without
+    the test run's persistent compilation cache: on jaxlib 0.12.1 (0.12.0 and 0.8.2 are fine)
+    two CPU processes hang in a collective where process 0 loads a program from the cache
+    that process 1 compiles (``test_two_processes_with_a_persistent_compilation_cache``).
+    """
+    port = str(_free_port())
+    with contextlib.ExitStack() as stack:
+        logs = [
+            [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2)] for _ in range(2)
+        ]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / name), str(i), port, *args],
+                env=_env(4, cache=False) if env is None else env,
+                stdout=logs[i][0],
+                stderr=logs[i][1],
+                text=True,
+            )
+            for i in range(2)
+        ]
+        deadline = time.monotonic() + timeout
+        killed = set()
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for i, proc in enumerate(procs):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    killed.add(i)
+        printed = []
+        for out, err in logs:
+            out.seek(0)
+            err.seek(0)
+            printed.append((out.read(), err.read()))
+    failed = [
+        f"process {i} "
+        + (f"killed after {timeout} s" if i in killed else f"exited with {proc.returncode}")
+        + f":\n{err[-4000:]}"
+        for i, (proc, (_, err)) in enumerate(zip(procs, printed, strict=True))
+        if proc.returncode != 0
+    ]
+    if failed:
+        pytest.fail(f"{name}: " + "\n".join(failed))
+    return [_last_json(out) for out, _ in printed]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nan_process", [0, 1])
 def test_two_processes_agree_and_skip_together(nan_process):
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPTS / "multiprocess_worker.py"),
-                str(i),
-                str(port),
-                str(nan_process),
-            ],
-            env=_env(4),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
-            if proc.returncode != 0:
-                pytest.fail(f"worker exited with {proc.returncode}:\n{err[-5000:]}")
-            outputs.append(_last_json(out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    outputs = run_two_processes("multiprocess_worker.py", str(nan_process))
     first, second = outputs
     assert [first["process_index"], second["process_index"]] == [0, 1]
     assert first["device_count"] == 8 and first["local_device_count"] == 4

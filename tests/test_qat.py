@@ -5,7 +5,6 @@ import equinox as eqx
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 import pytest
@@ -14,7 +13,7 @@ from jax import lax
 
 import jaxmp
 from jaxmp._src.quantization import recipes as q_lib
-from tests.conftest import assert_close, diagonal_cases
+from tests.conftest import JAXLIB_VERSION, assert_close, diagonal_cases
 from tests.test_quantize import _NnxModel, _weights, model_lib
 from tests.test_quantize_conv import _random_variables
 
@@ -68,8 +67,8 @@ def assert_bits(actual, expected, what=""):
 # quantised inside the program fused into the matmul's loop in one, read from memory in the
 # other) and round the last bits of some outputs differently.
 # jaxlib 0.12.1's too (the newest when this was written): bit for bit is tested on 0.12.0.
-_FUSION_MAY_ROUND = tuple(int(p) for p in jaxlib.__version__.split(".")[:3]) != (0, 12, 0)
-_JAXLIB_0_12_1 = tuple(int(p) for p in jaxlib.__version__.split(".")[:3]) == (0, 12, 1)
+_FUSION_MAY_ROUND = JAXLIB_VERSION != (0, 12, 0)
+_JAXLIB_0_12_1 = JAXLIB_VERSION == (0, 12, 1)
 
 
 def _known_on_jaxlib_0_12_1(request, reason):
