@@ -15,6 +15,7 @@ from jax import lax
 from sklearn.datasets import load_digits
 
 import jaxmp
+from jaxmp._src import compat
 from jaxmp._src.quantization import plan as plan_lib
 from jaxmp._src.quantization import recipes as q_lib
 from tests.conftest import all_eqns, diagonal_cases
@@ -349,6 +350,38 @@ def test_int4_is_the_dequantised_kernel_convolved_with_float32_accumulation(dtyp
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
 
 
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    diagonal_cases(["int8", "int4"], DTYPES[:2], ["int8", "int4"], DTYPE_IDS[:2]),
+)
+@pytest.mark.parametrize("form", ["quantized", "quantization_aware"])
+def test_the_activations_gradient_of_a_half_precision_convolution(form, name, dtype):
+    # A weight-only kernel accumulates in float32: its derivative with respect to the
+    # activations is the float convolution's transpose with the kernel it read (jax < 0.10
+    # cannot transpose a float16 x float16 -> float32 convolution: jaxmp converts first).
+    fun, p, x = _case("nhwc", dtype)
+    recipe = RECIPES[name]
+    q = jaxmp.quantize(fun, p, x, recipe=recipe)
+    if form == "quantized":
+        served = jaxmp.quantized(fun)
+
+        def loss(x):
+            return jnp.sum(served(q, x).astype(jnp.float32) ** 2)
+    else:
+        aware = jaxmp.quantization_aware(fun, recipe=recipe)
+
+        def loss(x):
+            return jnp.sum(aware(p, x).astype(jnp.float32) ** 2)
+
+    dx = jax.jit(jax.grad(loss))(x)
+    w = {"w": q["w"].dequantize().astype(jnp.float32)}
+    y = jaxmp.quantized(fun)(q, x).astype(jnp.float32)  # the served output
+    _, vjp = jax.vjp(lambda x: fun(w, x), x.astype(jnp.float32))
+    (expected,) = vjp(2 * y)
+    assert dx.dtype == dtype and dx.shape == x.shape
+    assert _rel_err(dx, expected) < 1e-2
+
+
 def _convs(closed):
     return [e for e in all_eqns(closed) if e.primitive.name == "conv_general_dilated"]
 
@@ -365,9 +398,12 @@ def test_the_program_runs_the_recipes_convolutions():
         ]
 
     # Weight-only int8: the int8 kernel enters the program and is converted to the
-    # convolution's dtype, its output float32 (scaled per output feature).
+    # convolution's dtype, its output float32 (scaled per output feature). (On jax < 0.10 the
+    # weight-only convolutions read their operands in float32: the same products, and a
+    # derivative that jax can transpose.)
+    read = jnp.float32 if compat.CONV_TRANSPOSE_NEEDS_ONE_DTYPE else jnp.bfloat16
     closed, convs = program("int8")
-    assert convs == [([jnp.bfloat16, jnp.bfloat16], jnp.float32)]
+    assert convs == [([read, read], jnp.float32)]
     assert [v.aval.shape for v in closed.jaxpr.invars if v.aval.dtype == jnp.int8] == [
         (3, 3, 16, 32)
     ]
@@ -387,7 +423,7 @@ def test_the_program_runs_the_recipes_convolutions():
     )
     # int4: the kernel dequantised into the convolution's dtype, float32 accumulation.
     _, convs = program("int4")
-    assert convs == [([jnp.bfloat16, jnp.bfloat16], jnp.float32)]
+    assert convs == [([read, read], jnp.float32)]
 
 
 # --------------------------------------------------------------------------------------------

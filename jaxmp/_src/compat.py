@@ -67,6 +67,16 @@ def _jaxlib_version() -> tuple[int, ...]:
     return tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
 
 
+def _jax_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in jax.__version__.split(".")[:2])
+
+
+#: jax < 0.10 (0.8.2 and 0.9.2 read): the transpose of a convolution whose
+#: ``preferred_element_type`` differs from its operands' dtype (float16 x float16 -> float32)
+#: convolves the float32 cotangent with the float16 operand, which ``conv_general_dilated``
+#: refuses ("requires arguments to have the same dtypes"); jax 0.10 converts the operand first.
+CONV_TRANSPOSE_NEEDS_ONE_DTYPE = _jax_version() < (0, 10)
+
 #: jaxlib < 0.12 (0.8.2 and 0.10.2 measured), XLA:CPU: a bfloat16 array read inside a loop
 #: (a `lax.fori_loop` slicing a leaf) is converted to a float32 copy ahead of the loop, twice
 #: the array; its bits as uint16 are not (one copy of the array instead). jaxlib 0.12 does

@@ -257,7 +257,8 @@ def quantized_conv(x: jax.Array, w: q_lib.QuantizedArray, eqn: Any) -> jax.Array
     and accumulates in float32; the dynamic recipes quantise the activations
     (`quantize_conv_activations`) and run int8 x int8 -> int32 or E4M3 x E4M3 -> float32 (on
     CPU as bfloat16 x bfloat16), rescaled by the image's and the output feature's scales.
-    `jaxmp.quantized` and `jaxmp.quantization_aware` run this one function.
+    `jaxmp.quantized` and `jaxmp.quantization_aware` run this one function. (On jax < 0.10
+    the weight-only recipes convolve in float32: `compat.CONV_TRANSPOSE_NEEDS_ONE_DTYPE`.)
     """
     params = eqn.params
     dn = params["dimension_numbers"]
@@ -273,14 +274,22 @@ def quantized_conv(x: jax.Array, w: q_lib.QuantizedArray, eqn: Any) -> jax.Array
         (y,) = compat.bind(eqn, [a, b], {**params, **changes})
         return y  # type: ignore[no-any-return]
 
+    def linear(x: jax.Array, kernel: jax.Array, rhs_spec: Any = None) -> jax.Array:
+        # The weight-only recipes' convolution, linear in `x` and differentiated as it is.
+        if compat.CONV_TRANSPOSE_NEEDS_ONE_DTYPE and x.dtype != acc_dtype:
+            # Differentiable on jax < 0.10: the same products (those of float16 and bfloat16
+            # values are exact in float32), the same float32 accumulation.
+            x, kernel = x.astype(acc_dtype), kernel.astype(acc_dtype)
+        return conv(x, kernel, acc_dtype, rhs_spec)
+
     recipe = w.recipe
     if isinstance(recipe, q_lib.Int4WeightOnly):
         moved, axes = q_lib.dequantize_moved(w)
-        return conv(x, moved, acc_dtype, tuple(axes[d] for d in dn.rhs_spec)).astype(out_dtype)
+        return linear(x, moved, tuple(axes[d] for d in dn.rhs_spec)).astype(out_dtype)
     # The kernel's scales: one per output feature (the other axes, contracted, of size 1).
     w_scale = _along(w.scales, dn.out_spec[1], ndim).astype(acc_dtype)
     if isinstance(recipe, q_lib.Int8WeightOnly):
-        return (conv(x, w.values.astype(w.dtype), acc_dtype) * w_scale).astype(out_dtype)
+        return (linear(x, w.values.astype(w.dtype)) * w_scale).astype(out_dtype)
     xq, x_scale = quantize_conv_activations(x, params, recipe, w.act_scale)
     if isinstance(recipe, q_lib.Int8DynamicActivations):
         acc = conv(xq, w.values, jnp.int32)
