@@ -77,6 +77,11 @@ def _jax_version() -> tuple[int, ...]:
 #: refuses ("requires arguments to have the same dtypes"); jax 0.10 converts the operand first.
 CONV_TRANSPOSE_NEEDS_ONE_DTYPE = _jax_version() < (0, 10)
 
+#: jaxlib < 0.10 (0.8.2 measured; 0.10.2 does not): XLA:CPU converts float32 to
+#: float8_e4m3fn through float16 where the conversion is fused into a one-row matmul, rounding
+#: twice (1 + 1/16 + 2^-12 becomes 1, not 1.125); a standalone conversion rounds once.
+FP8_CONVERT_MAY_ROUND_TWICE = _jaxlib_version() < (0, 10)
+
 #: jaxlib < 0.12 (0.8.2 and 0.10.2 measured), XLA:CPU: a bfloat16 array read inside a loop
 #: (a `lax.fori_loop` slicing a leaf) is converted to a float32 copy ahead of the loop, twice
 #: the array; its bits as uint16 are not (one copy of the array instead). jaxlib 0.12 does

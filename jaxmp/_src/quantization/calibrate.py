@@ -168,7 +168,8 @@ def _static_scale(
         _LOG.warning("jaxmp.calibrate: `qparams` leaf %r keeps dynamic scales: %s.", path, why)
         return None
     dtype = q_lib.scale_dtype(leaf.dtype)
-    return np.maximum(seen / leaf.recipe.qmax, float(np.finfo(dtype).tiny)).astype(dtype)
+    scale = q_lib.over_qmax(np.asarray(seen, dtype), leaf.recipe.qmax)
+    return np.maximum(scale, np.finfo(dtype).tiny).astype(dtype)
 
 
 def _spread(sites: list[np.ndarray]) -> float:

@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxmp._src import fp8_scaling
+from jaxmp._src.quantization import recipes as q_lib
 
 _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 _E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
@@ -416,7 +417,7 @@ class KVCache:
         bad = jnp.logical_not(jnp.all(finite, axis=-1, keepdims=True))
         largest = float(jnp.finfo(self.dtype).max)
         if self.format == "int8":
-            stored = (amax / _INT8_MAX).astype(_BF16)
+            stored = q_lib.over_qmax(amax, _INT8_MAX).astype(_BF16)
             # At least bfloat16's smallest normal number (an amax of 0, or below 1e-36).
             stored = jnp.maximum(stored, jnp.asarray(jnp.finfo(_BF16).tiny, _BF16))
             scale = stored.astype(_F32)

@@ -320,11 +320,12 @@ def quantization_aware(
     inside the traced program at every call, and their matmuls and convolutions run the same
     kernels (int8 x int8 -> int32 for `"int8_dynamic"`, E4M3 x E4M3 for `"fp8"`, the int4
     weight dequantised into the matmul's dtype, ...); bit for bit as tested on jaxlib 0.12.0
-    (other XLA:CPU versions, fusing a weight's quantisation into its matmul, may round the
-    last bit of some outputs differently). `params` stay float (the master copy the optimizer
-    updates); the model learns around the rounding it will be served with, and `jaxmp.quantize` of
-    the trained params serves exactly what was trained (`QuantizationAware.quantize` takes
-    the same recipe and exclude patterns).
+    and 0.12.1, eager and under `jax.jit` (the XLA:CPU of jaxlib 0.8, fusing a weight's
+    quantisation into its matmul, may round the last bit of some outputs differently).
+    `params` stay float (the master copy the optimizer updates); the model learns around the
+    rounding it will be served with, and `jaxmp.quantize` of the trained params serves
+    exactly what was trained (`QuantizationAware.quantize` takes the same recipe and exclude
+    patterns).
 
     The derivative of rounding to a grid is zero almost everywhere, so a quantised weight's
     gradient is the straight-through estimator (STE, Bengio et al. 2013, "Estimating or

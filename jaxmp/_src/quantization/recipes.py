@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import compat
+
 __all__ = [
     "Float8Rowwise",
     "Int4WeightOnly",
@@ -305,7 +307,8 @@ def scale_dtype(dtype: Any) -> Any:
 
 
 def absmax_scale(x: jax.Array, axes: Sequence[int], qmax: float) -> jax.Array:
-    """``amax / qmax`` over `axes` (kept, size 1), in `scale_dtype`.
+    """``amax / qmax`` over `axes` (kept, size 1), in `scale_dtype`, computed as
+    `over_qmax` does.
 
     1 where the amax is 0 (no 0 / 0), at least the dtype's smallest normal number (a
     subnormal amax / qmax may be flushed to 0), NaN or inf where the amax is: a NaN or an
@@ -313,8 +316,22 @@ def absmax_scale(x: jax.Array, axes: Sequence[int], qmax: float) -> jax.Array:
     """
     dtype = scale_dtype(x.dtype)
     amax = nan_max_abs(x.astype(dtype), axes)
-    scale = jnp.maximum(amax / qmax, jnp.finfo(dtype).tiny)  # maximum propagates NaN
+    scale = jnp.maximum(over_qmax(amax, qmax), jnp.finfo(dtype).tiny)  # maximum keeps NaN
     return jnp.where(amax == 0, jnp.ones_like(scale), scale)
+
+
+def over_qmax(amax: Any, qmax: float) -> Any:
+    """``amax / qmax`` as ``amax * (1 / qmax)``, the reciprocal rounded to `amax`'s dtype
+    (a jax or numpy array of float32 or float64).
+
+    XLA compiles a division by a constant into that product, and runs a division it is
+    handed at run time (jax's op-by-op dispatch, on some releases) as a division: they
+    differ in the last bit for about half of all values, and a scale one bit off moves the
+    values at a rounding tie to the other grid point. Written as the product, every program,
+    eager or jitted, on every release, computes the same scale.
+    """
+    dtype = np.dtype(amax.dtype)
+    return amax * (np.asarray(1, dtype) / np.asarray(qmax, dtype))
 
 
 def nan_max_abs(x: jax.Array, axes: Sequence[int]) -> jax.Array:
@@ -337,8 +354,26 @@ def quantize_values(x: jax.Array, scale: jax.Array, recipe: Any) -> jax.Array:
     ``[-qmax, qmax]`` (int4's values are `int4_search`'s)."""
     y = x.astype(scale.dtype) / scale
     if recipe.storage == _FP8:
-        return jnp.clip(y, -_FP8_MAX, _FP8_MAX).astype(_FP8)
+        y = jnp.clip(y, -_FP8_MAX, _FP8_MAX)
+        if compat.FP8_CONVERT_MAY_ROUND_TWICE:
+            y = _on_the_e4m3_grid(y)  # then every conversion is exact
+        return y.astype(_FP8)
     return jnp.clip(jnp.round(y), -recipe.qmax, recipe.qmax).astype(jnp.int8)
+
+
+def _on_the_e4m3_grid(y: jax.Array) -> jax.Array:
+    """Float32 or float64 `y` (at most 448 in magnitude, or NaN) rounded to the nearest E4M3
+    value (ties to even), in `y`'s dtype: the mantissa rounded to 3 bits on its bits as
+    integers; below E4M3's smallest normal number (2^-6), to a multiple of 2^-9."""
+    uint = jnp.dtype(jnp.uint64 if y.dtype == jnp.float64 else jnp.uint32)
+    drop = jnp.finfo(y.dtype).nmant - 3  # the mantissa bits E4M3 has not
+    bits = jax.lax.bitcast_convert_type(y, uint)
+    half = np.asarray((1 << (drop - 1)) - 1, uint)
+    odd = (bits >> np.asarray(drop, uint)) & np.asarray(1, uint)
+    kept = np.asarray(~((1 << drop) - 1) & np.iinfo(uint).max, uint)
+    normal = jax.lax.bitcast_convert_type((bits + half + odd) & kept, y.dtype)
+    subnormal = jnp.round(y * 2.0**9) * 2.0**-9  # exact: a power of two
+    return jnp.where(jnp.abs(y) < 2.0**-6, subnormal, normal)
 
 
 def pack_int4(q: jax.Array) -> jax.Array:
