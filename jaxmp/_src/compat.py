@@ -61,21 +61,22 @@ __all__ = [
 ]
 
 
+def _minor_version(version: str) -> tuple[int, ...]:
+    """``(major, minor)`` of a version string such as ``"0.12.0.1"``."""
+    return tuple(int(part) for part in version.split(".")[:2])
+
+
 def _jaxlib_version() -> tuple[int, ...]:
     import jaxlib
 
-    return tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
-
-
-def _jax_version() -> tuple[int, ...]:
-    return tuple(int(part) for part in jax.__version__.split(".")[:2])
+    return _minor_version(jaxlib.__version__)
 
 
 #: jax < 0.10 (0.8.2 and 0.9.2 read): the transpose of a convolution whose
 #: ``preferred_element_type`` differs from its operands' dtype (float16 x float16 -> float32)
 #: convolves the float32 cotangent with the float16 operand, which ``conv_general_dilated``
 #: refuses ("requires arguments to have the same dtypes"); jax 0.10 converts the operand first.
-CONV_TRANSPOSE_NEEDS_ONE_DTYPE = _jax_version() < (0, 10)
+CONV_TRANSPOSE_NEEDS_ONE_DTYPE = _minor_version(jax.__version__) < (0, 10)
 
 #: jaxlib < 0.10 (0.8.2 measured; 0.10.2 does not): XLA:CPU converts float32 to
 #: float8_e4m3fn through float16 where the conversion is fused into a one-row matmul, rounding
