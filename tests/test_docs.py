@@ -348,3 +348,36 @@ if __name__ == "__main__":
     # `python -m tests.test_docs PAGE`: run one page here (test_page_runs uses it for pages
     # that need simulated devices, which must be set up before jax is imported).
     check_shown(ROOT / sys.argv[1], run_page(ROOT / sys.argv[1]))
+
+
+def _docstrings():
+    """(file:line, docstring) of every module, class and function of the package."""
+    import ast
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for path in sorted((root / "jaxmp").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node, clean=True)
+                if doc:
+                    line = getattr(node, "lineno", 1)
+                    yield f"{path.relative_to(root)}:{line}", doc
+
+
+def test_an_args_or_attributes_entry_names_one_thing():
+    # The docs site's Google-style parser reads ``shape, dtype: ...`` as an entry ``dtype``
+    # of type ``shape`` (and links ``shape`` to whatever else is called so).
+    entry = re.compile(r"^(\s*)(\w+(?:, \w+)+): ")
+    found = []
+    for where, doc in _docstrings():
+        section = None
+        for line in doc.splitlines():
+            if re.fullmatch(r"(Args|Arguments|Attributes|Keyword Args|Parameters):", line.strip()):
+                section = len(line) - len(line.lstrip())
+                continue
+            if line.strip() and section is not None and len(line) - len(line.lstrip()) <= section:
+                section = None
+            if section is not None and entry.match(line):
+                found.append(f"{where}: {line.strip()}")
+    assert not found, "one name per entry:\n" + "\n".join(found)

@@ -82,12 +82,15 @@ def dot_product_attention(
     ``jax.nn.dot_product_attention``. Operands are ``(batch, length, heads, head_size)``.
 
     Args:
-      query, key, value: the operands (``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, H]``).
+      query: the queries, ``[B, T, N, H]``.
+      key: the keys, ``[B, S, K, H]``.
+      value: the values, ``[B, S, K, H]``.
       bias: added to the logits (``[B, N, T, S]`` or broadcastable).
       mask: boolean, True where a query attends to a key (``[B, N, T, S]`` or broadcastable).
       scale: the logits' scale (``1 / sqrt(H)`` by default).
       is_causal: causal masking.
-      query_seq_lengths, key_value_seq_lengths: int32 ``[B]``, padding lengths.
+      query_seq_lengths: int32 ``[B]``, the queries' lengths before padding.
+      key_value_seq_lengths: int32 ``[B]``, the keys' and values' lengths before padding.
       local_window_size: a sliding window, as in ``jax.nn.dot_product_attention``.
       implementation: None (choose), ``"xla"`` or ``"cudnn"``.
 

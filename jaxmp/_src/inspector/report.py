@@ -51,21 +51,25 @@ class OpStats:
       module: the module path (Flax module names, `jax.named_scope` names), "" if none.
       phase: ``"forward"``, or ``"backward"`` for an op of a derivative (transposed by
         `jax.grad`, `jax.value_and_grad`, `jax.vjp`).
-      file, line, function: the user's code that made the op (for a backward op, the line
-        it differentiates); for an op of jaxmp's code, the user's line calling into jaxmp
-        (the user's call of the inspected function if none).
+      file: the file of the user's code that made the op (for a backward op, of the line
+        it differentiates); for an op of jaxmp's code, of the user's line calling into
+        jaxmp (the user's call of the inspected function if none).
+      line: that code's line number.
+      function: the function holding that line.
       library: ``"jaxmp"`` for an op of jaxmp's machinery around the model (the loss
         scale's multiply in `jaxmp.value_and_grad`, the optimizer wrappers, autocast's casts
         of the outputs) however the user's code calls it, else ``""``. Such rows rank after
         the user's, and the figure and `Report.suggest_loss_scale` leave them out.
-      shape, dtype: the output's, as the program computes it.
+      shape: the output's shape, as the program computes it.
+      dtype: the output's dtype, as the program computes it.
       output: the output's index among the op's outputs.
       loops: the loops and branches around the op, outermost first (``"scan (8
         iterations)"``, ``"while (body)"``, ``"cond (branch 1 of 2)"``).
       calls: times the op ran (iterations of its loops; 0 in a branch never taken).
       max_abs: max ``|x|`` over the finite values the op produced (0 if none).
       min_abs: the smallest nonzero ``|x|`` (None if all are zero or non-finite).
-      nan, inf: counts over all calls.
+      nan: the count of NaN values over all calls.
+      inf: the count of infinite values over all calls.
       nonzero: nonzero finite values of the reference (the value itself without one).
       flush: per format, the fraction of `nonzero` that would round to zero if stored in it.
       overflow: per format, the fraction of `nonzero` that would overflow if stored in it.
@@ -157,11 +161,18 @@ class NonfiniteSource:
         array, or a value computed from constants only).
       name: the argument's path (``"args[0]['w']"``), or the constant's value if it is a
         scalar (``"-inf"``), else its dtype and shape.
-      shape, dtype: the value's.
-      nan, inf: its counts of NaN and inf (over all calls, inside a loop).
-      primitive, module, phase, file, line, function: the op that made the constant, or the
-        first op reading it (empty for an argument, whose file and line are the user's call
-        of the inspected function).
+      shape: the value's shape.
+      dtype: the value's dtype.
+      nan: its count of NaN values (over all calls, inside a loop).
+      inf: its count of infinite values (over all calls, inside a loop).
+      primitive: the primitive of the op that made the constant, or of the first op
+        reading it; ``""`` for an argument.
+      module: that op's module path; ``""`` for an argument.
+      phase: that op's phase, as in `OpStats`; ``"forward"`` for an argument.
+      file: the file of that op's line; for an argument, of the user's call of the
+        inspected function.
+      line: that line's number.
+      function: the function holding that line.
     """
 
     kind: str
