@@ -19,6 +19,7 @@ languages in `LANGUAGES`, so that no Python block goes unnoticed.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import pathlib
@@ -344,31 +345,22 @@ def test_examples_readme_lists_every_example():
     assert sorted(files - named) == [], "add a row to the file table of examples/README.md"
 
 
-if __name__ == "__main__":
-    # `python -m tests.test_docs PAGE`: run one page here (test_page_runs uses it for pages
-    # that need simulated devices, which must be set up before jax is imported).
-    check_shown(ROOT / sys.argv[1], run_page(ROOT / sys.argv[1]))
-
-
 def _docstrings():
     """(file:line, docstring) of every module, class and function of the package."""
-    import ast
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    for path in sorted((root / "jaxmp").rglob("*.py")):
+    for path in sorted((ROOT / "jaxmp").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
                 doc = ast.get_docstring(node, clean=True)
                 if doc:
                     line = getattr(node, "lineno", 1)
-                    yield f"{path.relative_to(root)}:{line}", doc
+                    yield f"{path.relative_to(ROOT)}:{line}", doc
 
 
 def test_an_args_or_attributes_entry_names_one_thing():
     # The docs site's Google-style parser reads ``shape, dtype: ...`` as an entry ``dtype``
     # of type ``shape`` (and links ``shape`` to whatever else is called so).
-    entry = re.compile(r"^(\s*)(\w+(?:, \w+)+): ")
+    entry = re.compile(r"\s*\w+(?:, \w+)+: ")
     found = []
     for where, doc in _docstrings():
         section = None
@@ -381,3 +373,9 @@ def test_an_args_or_attributes_entry_names_one_thing():
             if section is not None and entry.match(line):
                 found.append(f"{where}: {line.strip()}")
     assert not found, "one name per entry:\n" + "\n".join(found)
+
+
+if __name__ == "__main__":
+    # `python -m tests.test_docs PAGE`: run one page here (test_page_runs uses it for pages
+    # that need simulated devices, which must be set up before jax is imported).
+    check_shown(ROOT / sys.argv[1], run_page(ROOT / sys.argv[1]))
