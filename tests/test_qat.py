@@ -315,8 +315,13 @@ def test_transformation_orders(name):
     per_example = jax.vmap(jax.grad(loss(qat)), in_axes=(None, 0))(layers, x[:, None])
     for i in range(4):
         one = jax.grad(loss(qat))(layers, x[i : i + 1])["w"]
-        # A batched program: three layers' sums in another order (up to 5 ulps measured).
-        assert_within_ulps(per_example["w"][i], one, f"example {i}", ulps=16)
+        # A batched program: three layers' sums in another order. On jaxlib 0.12, within the
+        # float32 tolerance; older XLA:CPU, fusing differently, reached 6.8 ulps of the
+        # largest value (int4, jaxlib 0.8.2), past that tolerance near zero.
+        if _FUSION_MAY_ROUND:
+            assert_within_ulps(per_example["w"][i], one, f"example {i}", ulps=8)
+        else:
+            assert_close(per_example["w"][i], one, jnp.float32)
     # vmap over the params: each copy quantised on its own.
     copies = jax.tree.map(lambda w: jnp.stack([w, 2 * w]), layers)
     both = jax.jit(jax.vmap(qat, in_axes=(0, None)))(copies, x)
